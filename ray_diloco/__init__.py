@@ -1,0 +1,23 @@
+"""ray_diloco: DiLoCo and Streaming DiLoCo training of language models on Ray.
+
+Python API::
+
+    import ray_diloco
+    summary = ray_diloco.train({"diloco": {"replicas": 2, "H": 50}}, overrides=["run.steps=200"])
+"""
+
+from .config import Config, load_config
+from .errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
+
+__version__ = "0.1.0"
+
+
+def train(*args, **kwargs):
+    """Run DiLoCo or the DP baseline; see :func:`ray_diloco.trainer.train`."""
+    from .trainer import train as _train
+
+    return _train(*args, **kwargs)
+
+
+__all__ = ["train", "Config", "load_config", "RayDilocoError", "ConfigError", "DataError",
+           "CheckpointError", "ClusterError", "__version__"]

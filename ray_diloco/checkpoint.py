@@ -1,0 +1,114 @@
+"""Atomic checkpoints of everything an exact resume needs.
+
+Layout: ``RUN_DIR/checkpoints/step_{outer:06d}/state.pt``. A checkpoint is written into a
+temporary directory next to its final place, flushed to disk, then renamed (atomic on POSIX),
+so a killed process leaves either the whole checkpoint or none. The last ``keep`` are kept.
+
+``state.pt`` (``torch.save``) holds: config, outer state (global parameters and optimiser
+buffers per fragment), every worker's inner-optimiser state, local parameters, data position
+and RNG, step and token counters, and the corpus fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+_STEP = re.compile(r"^step_(\d{6,})$")
+STATE_FILE = "state.pt"
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(outer_step, path)``, oldest first (temporary dirs are ignored)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` atomically as the checkpoint of ``outer_step``; prune to the last ``keep``."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{outer_step:06d}"
+    tmp = root / f".tmp-step_{outer_step:06d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    with open(tmp / STATE_FILE, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (after a resume): replace it whole
+        old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    for _, p in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load one checkpoint directory (or its ``state.pt``).
+
+    Raises:
+        CheckpointError: missing, truncated or otherwise unreadable file.
+    """
+    path = Path(path)
+    f = path / STATE_FILE if path.is_dir() else path
+    if not f.is_file():
+        raise CheckpointError(f"checkpoint {f}: file not found")
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {f}: corrupt or unreadable ({type(e).__name__})") from None
+    if not isinstance(state, dict) or "outer_step" not in state or "config" not in state:
+        raise CheckpointError(f"checkpoint {f}: not a ray-diloco checkpoint")
+    return state
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path]:
+    """The newest complete checkpoint of a run directory.
+
+    Raises:
+        CheckpointError: when the directory or its checkpoints are missing.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir}: not found")
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts:
+        raise CheckpointError(f"run directory {run_dir}: no checkpoints in {checkpoint_dir(run_dir)}")
+    return ckpts[-1]

@@ -1,0 +1,103 @@
+"""The ``ray-diloco`` command: train, eval, generate, config.
+
+Errors in input, data, checkpoints or cluster size print one line each (``error: ...``) and
+exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import RayDilocoError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None,
+                   help="YAML file or preset name (ray_diloco/configs/NAME.yaml); default: the built-in defaults")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted override, repeatable: --set inner.lr=3e-4 --set diloco.replicas=4")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ray-diloco", description="DiLoCo training of language models on Ray.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train with DiLoCo (or the DP baseline) and export the global model")
+    _add_config_args(t)
+    t.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its newest checkpoint")
+    t.add_argument("--address", default=None,
+                   help="Ray cluster address ('auto' joins a running cluster); default: start a local one")
+
+    e = sub.add_parser("eval", help="validation loss of a run's newest checkpoint (global parameters)")
+    e.add_argument("run_dir")
+    e.add_argument("--step", type=int, default=None, help="outer step of the checkpoint (default: newest)")
+
+    g = sub.add_parser("generate", help="sample text from a run's exported model")
+    g.add_argument("run_dir")
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+
+    c = sub.add_parser("config", help="print the resolved config as YAML (after --config and --set)")
+    _add_config_args(c)
+    return ap
+
+
+def _cmd_train(a: argparse.Namespace) -> int:
+    from .trainer import train
+
+    train(a.config, a.overrides, resume=a.resume, address=a.address)
+    return 0
+
+
+def _cmd_eval(a: argparse.Namespace) -> int:
+    from .evaluate import evaluate_run
+
+    loss, step, path = evaluate_run(a.run_dir, a.step)
+    print(f"checkpoint: {path}")
+    print(f"outer step {step}: validation loss {loss:.4f}")
+    return 0
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from .evaluate import generate
+
+    if a.max_new_tokens < 1:
+        raise RayDilocoError(f"--max-new-tokens = {a.max_new_tokens}: must be >= 1")
+    if a.temperature <= 0:
+        raise RayDilocoError(f"--temperature = {a.temperature}: must be > 0")
+    print(generate(a.run_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed))
+    return 0
+
+
+def _cmd_config(a: argparse.Namespace) -> int:
+    from .config import load_config
+
+    print(load_config(a.config, a.overrides).to_yaml(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ray-diloco`` console script; returns the exit status."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    a = _parser().parse_args(argv)
+    handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config}
+    try:
+        return handlers[a.command](a)
+    except RayDilocoError as e:
+        for line in e.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

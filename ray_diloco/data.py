@@ -1,0 +1,318 @@
+"""Text loading (Hugging Face ``datasets``), tokenisers, packing and disjoint sharding.
+
+* Sources: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` files (default: the
+  bundled Tiny Shakespeare) or a hub dataset by name (streamed, capped by ``max_documents``).
+* Tokenisers: ``char`` (a character vocabulary built with ``tokenizers``), ``bpe`` (a byte-level
+  BPE trained with ``tokenizers`` on the corpus), or any Hugging Face tokenizer name or path. The
+  tokenizer is saved in the run directory so ``resume``, ``eval`` and the export reuse it.
+* Packing: documents are joined (with the tokenizer's EOS when it has one) into one token stream,
+  split 90/10 (``val_fraction``) into train and validation streams.
+* Sharding (DiLoCo section 2, "each replica trains on its own shard"): every epoch the train
+  windows are permuted with ``(seed, epoch)``; shard ``s`` of ``S`` (one per (replica, rank))
+  reads ``perm[s::S]``. No window is read by two shards within an epoch. Each epoch shifts the
+  window boundaries by a seeded offset so later epochs see new windows. The read position
+  ``(epoch, pos)`` is part of every checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import DataConfig
+from .errors import DataError
+
+BUNDLED_CORPUS = Path(__file__).parent / "data" / "tinyshakespeare.txt"
+_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+             ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class Corpus:
+    """Tokenised corpus. ``train``/``val``: int32 token ids, shape ``[n_tokens]``."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 (first 16 hex digits) of both token streams: detects a changed corpus on resume."""
+        h = hashlib.sha256()
+        h.update(self.train.tobytes())
+        h.update(self.val.tobytes())
+        return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------
+# loading text
+
+
+def load_texts(cfg: DataConfig) -> list[str]:
+    """Documents as strings, through ``datasets.load_dataset``.
+
+    Raises:
+        DataError: missing file, unknown format, missing text field, unreachable hub dataset.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    if cfg.path is None and cfg.dataset is None:
+        path = BUNDLED_CORPUS
+    elif cfg.path is not None:
+        path = Path(cfg.path).expanduser()
+    else:
+        path = None
+    try:
+        if path is not None:
+            if not path.is_file():
+                raise DataError(f"data.path = {str(path)!r}: file not found")
+            builder = _BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise DataError(
+                    f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
+                    f"(allowed: {', '.join(sorted(_BUILDERS))})"
+                )
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+            field = "text" if builder == "text" else cfg.text_field
+            if field not in ds.column_names:
+                raise DataError(
+                    f"data.text_field = {field!r}: not a column of {path} (columns: {', '.join(ds.column_names)})"
+                )
+            texts = ds[field]
+            if cfg.max_documents is not None:
+                texts = texts[: cfg.max_documents]
+        else:
+            if cfg.streaming and cfg.max_documents is None:
+                raise DataError(
+                    f"data.max_documents = None: a streamed hub dataset ({cfg.dataset}) needs a cap, "
+                    "for example --set data.max_documents=100000"
+                )
+            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming)
+            texts = []
+            for row in ds:
+                if cfg.text_field not in row:
+                    raise DataError(f"data.text_field = {cfg.text_field!r}: not a field of {cfg.dataset}")
+                texts.append(row[cfg.text_field])
+                if cfg.max_documents is not None and len(texts) >= cfg.max_documents:
+                    break
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
+        src = str(path) if path is not None else cfg.dataset
+        raise DataError(f"data: cannot load {src!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    texts = [t for t in texts if t]
+    if not texts:
+        raise DataError(f"data: no text found in {str(path) if path is not None else cfg.dataset!r}")
+    return texts
+
+
+# ---------------------------------------------------------------------------------------
+# tokenizers
+
+
+def char_tokenizer(texts: list[str]):
+    """Character-level ``PreTrainedTokenizerFast`` (``tokenizers`` WordLevel over single chars)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set().union(*map(set, texts)))
+    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(chars)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def bpe_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE trained on ``texts`` with ``tokenizers``; EOS ``<|endoftext|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def build_tokenizer(cfg: DataConfig, texts: list[str]):
+    """The tokenizer named by ``cfg.tokenizer`` ("char", "bpe", or a HF name/path)."""
+    if cfg.tokenizer == "char":
+        return char_tokenizer(texts)
+    if cfg.tokenizer == "bpe":
+        return bpe_tokenizer(texts, cfg.bpe_vocab_size)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(cfg.tokenizer)
+    except Exception as e:
+        raise DataError(
+            f"data.tokenizer = {cfg.tokenizer!r}: cannot load ({type(e).__name__}); "
+            "use 'char', 'bpe', a local tokenizer directory or a reachable hub name"
+        ) from None
+
+
+def load_saved_tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        raise DataError(f"tokenizer in {directory}: cannot load ({type(e).__name__})") from None
+
+
+def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
+    """One int32 stream: documents joined by the tokenizer's EOS token when it has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    parts: list[np.ndarray] = []
+    batch = 1000
+    for start in range(0, len(texts), batch):
+        enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
+        for ids in enc:
+            parts.append(np.asarray(ids, dtype=np.int32))
+            if eos is not None:
+                parts.append(np.asarray([eos], dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Any = None) -> Corpus:
+    """Load, tokenise and split the corpus.
+
+    ``tokenizer`` (for example one restored from a run directory) is used as is; otherwise one is
+    built from ``cfg`` and, when ``tokenizer_dir`` is given, saved there.
+
+    Raises:
+        DataError: when loading fails or a split is shorter than one sequence.
+    """
+    texts = load_texts(cfg)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(cfg, texts)
+        if tokenizer_dir is not None:
+            tokenizer.save_pretrained(str(tokenizer_dir))
+    ids = tokenize(tokenizer, texts)
+    n_val = int(round(len(ids) * cfg.val_fraction))
+    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+    need = cfg.seq_len + 1
+    if len(train) < 2 * need or len(val) < need:
+        raise DataError(
+            f"data: corpus too small: {len(train)} train / {len(val)} validation tokens; "
+            f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}"
+        )
+    return Corpus(train=train, val=val, vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------
+# packing and sharding
+
+
+def num_train_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows per epoch: ``(n_tokens - seq_len) // seq_len`` so any offset < seq_len fits."""
+    return (n_tokens - seq_len) // seq_len
+
+
+def epoch_offset(seed: int, epoch: int, seq_len: int) -> int:
+    """Token offset of the window grid in ``epoch`` (0 in epoch 0)."""
+    if epoch == 0:
+        return 0
+    return int(np.random.default_rng([seed, epoch, 1]).integers(seq_len))
+
+
+def epoch_permutation(seed: int, epoch: int, n_windows: int) -> np.ndarray:
+    """The epoch's order of window indices, shared by all shards (so shards are disjoint)."""
+    return np.random.default_rng([seed, epoch]).permutation(n_windows)
+
+
+class ShardReader:
+    """Reads batches of packed windows for one shard (one (replica, rank) pair).
+
+    ``next_batch(b)`` returns ``(x, y, idx)``: ``x``/``y`` int64 tensors ``[b, seq_len]``
+    (``y`` is ``x`` shifted by one token) and ``idx`` an int64 array ``[b, 2]`` of
+    ``(epoch, window)`` pairs. ``state()``/``load_state()`` give the resumable read position.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, shard: int, num_shards: int, seed: int):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} not in [0, {num_shards})")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.shard = shard
+        self.num_shards = num_shards
+        self.seed = seed
+        self.n_windows = num_train_windows(len(tokens), seq_len)
+        self.per_shard = self.n_windows // num_shards
+        if self.per_shard < 1:
+            raise DataError(
+                f"data: {self.n_windows} training sequences of {seq_len} tokens cannot feed "
+                f"{num_shards} shards (replicas x workers)"
+            )
+        self.epoch = 0
+        self.pos = 0
+        self._cache: tuple[int, np.ndarray, int] | None = None
+
+    def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, int]:
+        if self._cache is None or self._cache[0] != epoch:
+            perm = epoch_permutation(self.seed, epoch, self.n_windows)
+            mine = perm[self.shard :: self.num_shards][: self.per_shard]
+            self._cache = (epoch, mine, epoch_offset(self.seed, epoch, self.seq_len))
+        return self._cache[1], self._cache[2]
+
+    def next_indices(self, batch: int) -> np.ndarray:
+        """The next ``batch`` ``(epoch, window)`` pairs, advancing the read position."""
+        out = np.empty((batch, 2), dtype=np.int64)
+        for k in range(batch):
+            if self.pos >= self.per_shard:
+                self.epoch += 1
+                self.pos = 0
+            mine, _ = self._epoch_plan(self.epoch)
+            out[k] = (self.epoch, mine[self.pos])
+            self.pos += 1
+        return out
+
+    def next_batch(self, batch: int):
+        import torch
+
+        idx = self.next_indices(batch)
+        T = self.seq_len
+        rows = []
+        for epoch, w in idx:
+            start = epoch_offset(self.seed, int(epoch), T) + int(w) * T
+            rows.append(self.tokens[start : start + T + 1])
+        arr = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return arr[:, :-1], arr[:, 1:], idx
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "shard": self.shard, "num_shards": self.num_shards}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        if state["shard"] != self.shard or state["num_shards"] != self.num_shards:
+            raise DataError(
+                f"data position is for shard {state['shard']}/{state['num_shards']}, "
+                f"not {self.shard}/{self.num_shards}"
+            )
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+def val_windows(tokens: np.ndarray, seq_len: int) -> int:
+    """Non-overlapping validation windows covering the whole validation stream."""
+    return (len(tokens) - 1) // seq_len
+
+
+def val_batch(tokens: np.ndarray, seq_len: int, windows: np.ndarray):
+    """``(x, y)`` int64 tensors ``[len(windows), seq_len]`` for validation windows."""
+    import torch
+
+    arr = np.stack([tokens[w * seq_len : w * seq_len + seq_len + 1] for w in windows]).astype(np.int64)
+    t = torch.from_numpy(arr)
+    return t[:, :-1], t[:, 1:]

@@ -1,0 +1,33 @@
+"""Errors that the CLI turns into one clear line each and a non-zero exit (no traceback)."""
+
+from __future__ import annotations
+
+
+class RayDilocoError(Exception):
+    """Base class: a user-facing problem with input, data, checkpoints or the cluster."""
+
+    def lines(self) -> list[str]:
+        return [str(self)]
+
+
+class ConfigError(RayDilocoError):
+    """One or more invalid config fields; ``problems`` holds one line per field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+    def lines(self) -> list[str]:
+        return [f"config error: {p}" for p in self.problems]
+
+
+class DataError(RayDilocoError):
+    """The corpus or tokenizer cannot be loaded or is too small for the run."""
+
+
+class CheckpointError(RayDilocoError):
+    """A checkpoint or run directory is missing, corrupt or incompatible."""
+
+
+class ClusterError(RayDilocoError):
+    """The Ray cluster cannot host the requested replicas, or a replica failed."""

@@ -1,0 +1,93 @@
+"""Offline use of a finished or running run: validation loss of a checkpoint, sampling.
+
+Both run in this process (no Ray needed) on CPU, or on the first GPU when one is present.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from .config import load_config
+from .data import load_corpus, load_saved_tokenizer, val_windows
+from .errors import CheckpointError
+from .fragments import param_specs, plan_fragments, unflatten_into
+from .replica import build_model, evaluate_loss
+
+
+def _tokenizer(run_dir: Path):
+    tok_dir = run_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file() and not (tok_dir / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"run directory {run_dir}: no tokenizer in {tok_dir}")
+    return load_saved_tokenizer(tok_dir)
+
+
+def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None) -> torch.nn.Module:
+    """The model holding a checkpoint's global parameters (DP: rank 0's parameters), fp32 CPU."""
+    cfg = load_config(state["config"], validate=False)
+    model = build_model(cfg, vocab_size, model_fn)
+    params = state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
+    frags = plan_fragments(param_specs(model), len(params))
+    named = dict(model.named_parameters())
+    for f, arr in zip(frags, params):
+        unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
+    return model
+
+
+def evaluate_run(run_dir: str | Path, step: int | None = None) -> tuple[float, int, Path]:
+    """Validation loss (nats/token, whole validation split) of a run's checkpoint.
+
+    Returns ``(loss, outer_step, checkpoint_path)``.
+
+    Raises:
+        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint.
+    """
+    run_dir = Path(run_dir)
+    if step is None:
+        step, path = latest_checkpoint(run_dir)
+    else:
+        found = dict(list_checkpoints(run_dir))
+        if step not in found:
+            raise CheckpointError(f"--step {step}: no such checkpoint in {run_dir} (have: {sorted(found) or 'none'})")
+        path = found[step]
+    state = load_checkpoint(path)
+    cfg = load_config(state["config"], validate=False)
+    corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
+    model = model_from_checkpoint(state, corpus.vocab_size)
+    n = val_windows(corpus.val, cfg.data.seq_len)
+    total, count = evaluate_loss(model, corpus.val, cfg.data.seq_len, np.arange(n), cfg.run.eval_batch)
+    return total / count, step, path
+
+
+def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+             top_k: int = 50, seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` from the run's export (``final/``) or newest checkpoint."""
+    run_dir = Path(run_dir)
+    tok = _tokenizer(run_dir)
+    final = run_dir / "final"
+    if (final / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(final))
+    else:
+        _, path = latest_checkpoint(run_dir)
+        model = model_from_checkpoint(load_checkpoint(path), len(tok))
+    model.eval()
+    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if ids.numel() == 0:
+        ids = torch.zeros((1, 1), dtype=torch.long)
+    context = getattr(model.config, "max_position_embeddings", 10**9)
+    torch.manual_seed(seed)
+    out = ids
+    with torch.no_grad():  # a plain sampling loop: the context window slides, as in nanoGPT
+        for _ in range(max_new_tokens):
+            logits = model(out[:, -context:]).logits[:, -1, :] / temperature
+            if top_k > 0:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1)
+            out = torch.cat([out, nxt], dim=1)
+    return tok.decode(out[0].tolist())

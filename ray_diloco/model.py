@@ -1,0 +1,115 @@
+"""Decoder-only language models built from a transformers config (no downloaded weights).
+
+Families: ``llama`` (RMSNorm, RoPE, SwiGLU) and ``qwen3`` (the same plus QK-norm, as in the
+Scaling Laws for DiLoCo paper, section 3). Presets: ``tiny`` (char-level, nanoGPT's CPU
+"baby GPT" shape), small CPU sizes, and the scaling-law paper's sizes 35M ... 10B
+(algorithms.md section 3 table: layers, heads, d_model, FFN).
+
+A Python user may pass any ``model_fn(shape: dict, vocab_size: int) -> torch.nn.Module`` whose
+``forward(input_ids)`` returns logits ``[batch, seq, vocab]`` (or an object with ``.logits``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+# name: (family, layers, heads, d_model, d_ff, context, z_loss)
+PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
+    "tiny": ("llama", 4, 4, 128, 352, 64, 0.0),
+    "cpu-small": ("llama", 6, 6, 192, 512, 128, 0.0),
+    "cpu-medium": ("llama", 8, 8, 256, 704, 256, 0.0),
+    # Scaling Laws for DiLoCo (arXiv 2503.09799), section 3: QK-norm, z-loss 1e-4, seq 2048.
+    "35m": ("qwen3", 6, 8, 512, 2048, 2048, 1e-4),
+    "90m": ("qwen3", 9, 12, 768, 3072, 2048, 1e-4),
+    "180m": ("qwen3", 12, 16, 1024, 4096, 2048, 1e-4),
+    "335m": ("qwen3", 15, 20, 1280, 5120, 2048, 1e-4),
+    "550m": ("qwen3", 18, 24, 1536, 6144, 2048, 1e-4),
+    "1.3b": ("qwen3", 24, 32, 2048, 8192, 2048, 1e-4),
+    "2.4b": ("qwen3", 30, 40, 2560, 10240, 2048, 1e-4),
+    "4b": ("qwen3", 36, 48, 3072, 12288, 2048, 1e-4),
+    "10b": ("qwen3", 48, 64, 4096, 16384, 2048, 1e-4),
+}
+
+ModelFn = Callable[[dict[str, Any], int], torch.nn.Module]
+
+
+def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    """Preset values for every field of ``cfg`` left as ``None``; returns a plain dict.
+
+    ``vocab_size`` (from the tokenizer) is used unless ``cfg.vocab_size`` is set.
+    """
+    family, layers, heads, d_model, d_ff, context, z_loss = PRESETS[cfg.preset]
+    pick = lambda v, d: d if v is None else v  # noqa: E731
+    return {
+        "family": pick(cfg.family, family),
+        "n_layers": pick(cfg.n_layers, layers),
+        "n_heads": pick(cfg.n_heads, heads),
+        "d_model": pick(cfg.d_model, d_model),
+        "d_ff": pick(cfg.d_ff, d_ff),
+        "context": pick(cfg.context, context),
+        "vocab_size": pick(cfg.vocab_size, vocab_size),
+        "z_loss": pick(cfg.z_loss, z_loss),
+        "init_std": cfg.init_std,
+        "tie_embeddings": cfg.tie_embeddings,
+    }
+
+
+def hf_config(shape: dict[str, Any]):
+    """The transformers ``LlamaConfig`` / ``Qwen3Config`` for a resolved shape."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["d_model"],
+        intermediate_size=shape["d_ff"],
+        num_hidden_layers=shape["n_layers"],
+        num_attention_heads=shape["n_heads"],
+        num_key_value_heads=shape["n_heads"],
+        max_position_embeddings=shape["context"],
+        initializer_range=shape["init_std"],
+        tie_word_embeddings=shape["tie_embeddings"],
+        use_cache=False,
+    )
+    if shape["family"] == "qwen3":
+        return Qwen3Config(head_dim=shape["d_model"] // shape["n_heads"], **common)
+    return LlamaConfig(**common)
+
+
+def build_transformers_model(shape: dict[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
+    """Randomly initialised ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (fp32, on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    if vocab_size is not None and shape.get("vocab_size") is None:
+        shape = {**shape, "vocab_size": vocab_size}
+    return AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa")
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` from a tensor or a transformers ``ModelOutput``."""
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token loss. ``logits`` [B, T, V] (any float dtype), ``targets`` [B, T] int64.
+
+    Returns ``(loss, ce)``: ``ce`` is the mean cross-entropy in nats/token (fp32) and
+    ``loss = ce + z_loss * mean(logsumexp(logits)^2)`` (the z-loss of the scaling-law paper).
+    """
+    logits = logits.float()
+    flat = logits.reshape(-1, logits.size(-1))
+    ce = F.cross_entropy(flat, targets.reshape(-1))
+    if z_loss > 0:
+        return ce + z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean(), ce
+    return ce, ce

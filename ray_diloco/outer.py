@@ -1,0 +1,147 @@
+"""The outer optimiser: global parameters, one optimiser state per fragment, the outer step.
+
+DiLoCo (arXiv 2311.08105, Algorithm 1, lines 8-12): every H inner steps each replica m sends
+its pseudo-gradient ``delta_m = theta_global - theta_m`` (fp32); the outer optimiser averages
+what arrived (weighted by tokens trained) and steps the global parameters with it as the
+gradient. Default: SGD with Nesterov momentum (lr 0.7, momentum 0.9), in torch semantics
+``b <- mu*b + delta; theta <- theta - lr*(delta + mu*b)``. State is kept per fragment
+(Streaming DiLoCo, arXiv 2501.18512, section 2: "one Nesterov buffer per fragment").
+
+:class:`OuterOptimizer` is plain Python/torch (tested exactly, no Ray); :data:`OuterOptimizerActor`
+is the same class as a Ray actor that receives pseudo-gradients through the object store and
+publishes each new global fragment once with ``ray.put``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from .config import OuterConfig
+
+
+def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
+    """The torch optimiser for one fragment's flat fp32 global parameters."""
+    if cfg.name == "nesterov":
+        return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    if cfg.name == "sgd":
+        return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.name == "adam":
+        return torch.optim.Adam([param], lr=cfg.lr, betas=(cfg.momentum, cfg.adam_beta2), eps=cfg.adam_eps)
+    raise ValueError(f"outer.name = {cfg.name!r}: must be one of nesterov, sgd, adam")
+
+
+def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
+    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained).
+
+    Each term is scaled by ``w_i / sum(w)`` (exactly 1 for one replica, 1/2 for two equal ones),
+    then summed in the order given, so the result is reproducible bit for bit.
+
+    Raises:
+        ValueError: on empty input, mismatched shapes or non-positive total weight.
+    """
+    if not deltas or len(deltas) != len(weights):
+        raise ValueError(f"got {len(deltas)} pseudo-gradients and {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"total weight {total} must be > 0")
+    acc = torch.zeros(np.asarray(deltas[0]).size, dtype=torch.float32)
+    for d, w in zip(deltas, weights):
+        t = torch.as_tensor(np.array(d, dtype=np.float32, copy=True).reshape(-1))  # object-store arrays are read-only
+        if t.numel() != acc.numel():
+            raise ValueError(f"pseudo-gradient has {t.numel()} values, expected {acc.numel()}")
+        acc.add_(t, alpha=w / total)
+    return acc
+
+
+class OuterOptimizer:
+    """Global fp32 parameters and an outer optimiser per fragment.
+
+    Args:
+        initial: one fp32 array ``[numel_p]`` per fragment (the replicas' common initialisation).
+        cfg: outer optimiser settings.
+    """
+
+    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig):
+        self.cfg = cfg
+        self.params = [torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1)) for g in initial]
+        self.opts = [make_outer_optimizer(p, cfg) for p in self.params]
+        self.steps = [0] * len(self.params)
+        self._published: list[Any] = [None] * len(self.params)
+
+    # -- the outer step --------------------------------------------------------------------
+    def step(self, fragment: int, weights: list[float], *deltas: np.ndarray) -> dict[str, Any]:
+        """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32.
+
+        Returns ``{"global": ObjectRef or array, "update_norm": float, "step": int,
+        "bytes_received": int, "delta_norms": [float per replica]}``; the ref points at the new global fragment (fp32 numpy) put once
+        into the object store (the array itself when Ray is not initialised).
+        """
+        p = self.params[fragment]
+        mean = average_pseudo_gradients(list(deltas), list(weights))
+        before = p.clone()
+        p.grad = mean
+        self.opts[fragment].step()
+        p.grad = None
+        self.steps[fragment] += 1
+        update_norm = float((p - before).norm())
+        return {
+            "global": self.publish(fragment),
+            "update_norm": update_norm,
+            "step": self.steps[fragment],
+            "bytes_received": int(sum(np.asarray(d).nbytes for d in deltas)),
+            "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas],
+        }
+
+    def publish(self, fragment: int) -> Any:
+        """Put the current global fragment into the object store once and return its ref."""
+        arr = self.params[fragment].numpy().copy()
+        self._published[fragment] = ray.put(arr) if ray.is_initialized() else arr
+        return self._published[fragment]
+
+    def global_ref(self, fragment: int) -> Any:
+        """The last published ref of ``fragment`` (publishing it first if needed)."""
+        return self._published[fragment] if self._published[fragment] is not None else self.publish(fragment)
+
+    def global_params(self) -> list[np.ndarray]:
+        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        return [p.numpy().copy() for p in self.params]
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Global parameters, optimiser state (momentum buffers) and step counts per fragment."""
+        return {
+            "global": self.global_params(),
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],  # a snapshot, not live buffers
+            "steps": list(self.steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["global"]) != len(self.params):
+            raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {len(self.params)}")
+        for i, g in enumerate(state["global"]):
+            with torch.no_grad():
+                self.params[i].copy_(torch.from_numpy(np.asarray(g, dtype=np.float32)))
+            self.opts[i].load_state_dict(state["optimizers"][i])
+            self._published[i] = None
+        self.steps = list(state["steps"])
+
+    def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""
+        hg, hm = hashlib.sha256(), hashlib.sha256()
+        for p, o in zip(self.params, self.opts):
+            hg.update(p.numpy().tobytes())
+            for v in o.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    hm.update(v.numpy().tobytes())
+        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+
+
+#: The outer optimiser as a Ray actor. It needs no CPU reservation: its work is a few vector
+#: operations per outer step, and it must not take a core a replica worker needs.
+OuterOptimizerActor = ray.remote(num_cpus=0, max_concurrency=1)(OuterOptimizer)

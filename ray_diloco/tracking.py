@@ -1,0 +1,139 @@
+"""Progress bar (tqdm), ``metrics.jsonl``, Weights & Biases and ``summary.json``.
+
+W&B is offline unless an API key is configured (``WANDB_API_KEY`` or ``wandb login``) or
+``tracking.mode=online``; a W&B failure is reported once and never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+
+
+def wandb_mode(mode: str) -> str:
+    """Resolve ``tracking.mode``: "auto" is online only when an API key is configured."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    try:
+        if netrc.is_file() and "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class Tracker:
+    """Writes one JSON object per outer step to ``metrics.jsonl`` and mirrors it to W&B.
+
+    Args:
+        cfg: the run config. run_dir: the run directory. total_steps: inner steps of the run.
+        start_step: inner steps already done (resume). summary_only: no bar, no W&B (eval).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, total_steps: int, start_step: int = 0):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._file = open(self.metrics_path, "a", buffering=1)
+        self.wandb_run = None
+        self._start_wandb()
+        self.bar = None
+        if cfg.tracking.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                            desc=f"{cfg.algorithm} M={cfg.diloco.replicas}", file=sys.stderr)
+
+    def _start_wandb(self) -> None:
+        t = self.cfg.tracking
+        mode = wandb_mode(t.mode)
+        if not t.wandb or mode == "disabled":
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
+                    tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
+                    id=self._wandb_id(), resume="allow", settings=wandb.Settings(silent=True, console="off"),
+                )
+        except Exception as e:  # unreachable server, not logged in, broken install: keep training
+            print(f"warning: W&B disabled for this run ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                  file=sys.stderr)
+            self.wandb_run = None
+
+    def _wandb_id(self) -> str:
+        """A stable W&B run id stored in the run dir, so a resumed run continues the same W&B run."""
+        p = self.run_dir / "wandb_id.txt"
+        if p.is_file():
+            return p.read_text().strip()
+        import secrets
+
+        rid = secrets.token_hex(4)
+        p.write_text(rid)
+        return rid
+
+    def log(self, row: dict[str, Any]) -> None:
+        row = {k: _clean(v) for k, v in row.items()}
+        self._file.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            try:
+                flat = {k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
+                self.wandb_run.log(flat, step=int(row.get("inner_step", 0)))
+            except Exception as e:
+                print(f"warning: W&B logging stopped ({type(e).__name__})", file=sys.stderr)
+                self.wandb_run = None
+
+    def progress(self, steps: int, **postfix: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            self.bar.set_postfix({k: v for k, v in postfix.items() if v is not None}, refresh=True)
+
+    def write(self, msg: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._file.close()
+        if self.wandb_run is not None:
+            try:
+                for k, v in summary.items():
+                    if isinstance(v, (int, float, str)):
+                        self.wandb_run.summary[k] = v
+                self.wandb_run.finish()
+            except Exception as e:
+                print(f"warning: W&B finish failed ({type(e).__name__})", file=sys.stderr)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """``summary.json`` (written atomically): final results for scripts and sweeps."""
+    path = Path(run_dir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path

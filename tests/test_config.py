@@ -1,0 +1,88 @@
+"""Config: defaults, YAML presets, dotted overrides, one clear line per invalid field."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_diloco.config import PRESET_DIR, load_config
+from ray_diloco.errors import ConfigError
+
+
+def test_defaults_are_the_readme_run():
+    cfg = load_config()
+    assert (cfg.algorithm, cfg.diloco.replicas, cfg.diloco.workers_per_replica, cfg.diloco.H) == ("diloco", 2, 1, 50)
+    assert (cfg.outer.name, cfg.outer.lr, cfg.outer.momentum) == ("nesterov", 0.7, 0.9)
+    assert (cfg.inner.global_batch, cfg.data.seq_len, cfg.run.steps) == (12, 64, 2000)
+    assert (cfg.inner.beta1, cfg.inner.beta2) == (0.9, 0.99)
+    assert cfg.batch_per_worker == 6 and cfg.num_outer_steps == 40
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["inner.lr=3e-4", "diloco.replicas=4", "run.deterministic=true",
+                             "tracking.tags=a,b", "model.family=qwen3", "data.max_documents=none"])
+    assert cfg.inner.lr == 3e-4 and isinstance(cfg.diloco.replicas, int) and cfg.diloco.replicas == 4
+    assert cfg.run.deterministic is True and cfg.tracking.tags == ["a", "b"] and cfg.model.family == "qwen3"
+
+
+def test_every_shipped_preset_loads():
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    assert "default" in names and "dp" in names
+    for name in names:
+        load_config(name)
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("diloco:\n  H: 7\ninner:\n  lr: 0.01\n")
+    cfg = load_config(str(f), ["diloco.H=9"])
+    assert cfg.diloco.H == 9 and cfg.inner.lr == 0.01
+
+
+@pytest.mark.parametrize("override, field", [
+    ("diloco.H=0", "diloco.H"),
+    ("diloco.replicas=0", "diloco.replicas"),
+    ("diloco.workers_per_replica=0", "diloco.workers_per_replica"),
+    ("inner.lr=0", "inner.lr"),
+    ("inner.lr=-0.001", "inner.lr"),
+    ("outer.lr=0", "outer.lr"),
+    ("outer.momentum=1.0", "outer.momentum"),
+    ("outer.momentum=-0.1", "outer.momentum"),
+    ("inner.global_batch=13", "inner.global_batch"),
+    ("data.seq_len=65", "data.seq_len"),
+    ("algorithm=fedavg", "algorithm"),
+    ("outer.name=lamb", "outer.name"),
+    ("run.precision=fp8", "run.precision"),
+    ("model.preset=huge", "model.preset"),
+    ("data.path=/nonexistent/corpus.txt", "data.path"),
+    ("diloco.H=abc", "diloco.H"),
+    ("diloco.H=2.5", "diloco.H"),
+    ("diloco.bogus=1", "diloco.bogus"),
+])
+def test_invalid_field_gives_one_line_naming_it(override, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert len(e.value.problems) == 1, e.value.problems
+    line = e.value.lines()[0]
+    assert field in line and "\n" not in line
+    value = override.split("=", 1)[1]
+    assert value in line or field.endswith("bogus")
+
+
+def test_several_problems_one_line_each():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["diloco.H=0", "inner.lr=0", "outer.momentum=2"])
+    assert len(e.value.problems) == 3
+
+
+def test_divisibility_message_names_the_product():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["diloco.replicas=4", "diloco.workers_per_replica=2", "inner.global_batch=12"])
+    assert "4 x 2 = 8" in e.value.lines()[0]
+
+
+def test_bad_set_syntax_and_missing_file():
+    with pytest.raises(ConfigError):
+        load_config(None, ["inner.lr"])
+    with pytest.raises(ConfigError) as e:
+        load_config("/nope/missing.yaml")
+    assert "not found" in e.value.lines()[0]
