@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     a = _parser().parse_args(argv)
+    import signal
+
+    def _terminate(signum, frame):  # SIGTERM (ray job stop, kill): clean up like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config}
     try:
         return handlers[a.command](a)

@@ -93,7 +93,7 @@ class DiLoCoConfig:
     replicas: int = 2  # M
     workers_per_replica: int = 1
     H: int = 50  # inner steps between outer steps
-    cpus_per_worker: float = 1
+    cpus_per_worker: float | None = None  # None: the cluster's CPUs shared evenly (at least 0.5 each)
     gpus_per_worker: float = 0
     placement_timeout_s: float = 120.0  # wait for replica placement groups
     pg_timeout_s: float = 300.0  # torch.distributed collective / rendezvous timeout
@@ -347,7 +347,8 @@ def validate_config(cfg: Config) -> None:
     need(d.H >= 1, "diloco.H", d.H, "must be an integer >= 1")
     need(d.replicas >= 1, "diloco.replicas", d.replicas, "must be an integer >= 1")
     need(d.workers_per_replica >= 1, "diloco.workers_per_replica", d.workers_per_replica, "must be an integer >= 1")
-    need(d.cpus_per_worker > 0, "diloco.cpus_per_worker", d.cpus_per_worker, "must be > 0")
+    need(d.cpus_per_worker is None or d.cpus_per_worker > 0, "diloco.cpus_per_worker", d.cpus_per_worker,
+         "must be > 0 (or none: share the cluster's CPUs evenly)")
     need(d.gpus_per_worker >= 0, "diloco.gpus_per_worker", d.gpus_per_worker, "must be >= 0")
     need(d.pg_timeout_s > 0, "diloco.pg_timeout_s", d.pg_timeout_s, "must be > 0 seconds")
     need(d.placement_timeout_s > 0, "diloco.placement_timeout_s", d.placement_timeout_s, "must be > 0 seconds")

@@ -96,7 +96,7 @@ class ReplicaWorker:
         self.cfg = load_config(config, validate=False)
         self.replica, self.rank, self.world_size = replica, rank, world_size
         self.shard, self.num_shards = shard, num_shards
-        threads = max(1, int(self.cfg.diloco.cpus_per_worker))
+        threads = max(1, int(self.cfg.diloco.cpus_per_worker or 1))
         torch.set_num_threads(threads)
         if self.cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)

@@ -112,31 +112,47 @@ def _init_ray(cfg: Config) -> bool:
     return True
 
 
-def check_resources(cfg: Config) -> None:
+MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out
+
+
+def check_resources(cfg: Config) -> float:
     """Fail before starting anything when the cluster cannot host every worker at once.
 
+    Returns the CPUs per worker: ``diloco.cpus_per_worker`` when set, else the cluster's CPUs
+    shared evenly (whole CPUs when there are enough, else a fraction of at least 0.5).
+
     Raises:
-        ClusterError: naming the fields and the cluster's CPUs/GPUs.
+        ClusterError: naming the fields, their product and the cluster's CPUs/GPUs.
     """
     import ray
 
     d = cfg.diloco
     res = ray.cluster_resources()
     n = cfg.num_shards
-    need_cpu = n * d.cpus_per_worker
     have_cpu = res.get("CPU", 0)
-    if need_cpu > have_cpu:
-        raise ClusterError(
-            f"diloco.replicas x diloco.workers_per_replica x diloco.cpus_per_worker = "
-            f"{d.replicas} x {d.workers_per_replica} x {d.cpus_per_worker:g} = {need_cpu:g} CPUs, "
-            f"but the Ray cluster has {have_cpu:g}: lower one of them or add nodes"
-        )
+    product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
+    if d.cpus_per_worker is None:
+        per = have_cpu / n
+        if per < MIN_AUTO_CPUS:
+            raise ClusterError(
+                f"{product}, but the Ray cluster has {have_cpu:g} CPUs (fewer than {MIN_AUTO_CPUS:g} per worker): "
+                "lower diloco.replicas or diloco.workers_per_replica, add nodes, or set diloco.cpus_per_worker"
+            )
+        cpus = float(int(per)) if per >= 1 else per
+    else:
+        cpus = d.cpus_per_worker
+        if n * cpus > have_cpu:
+            raise ClusterError(
+                f"{product} x diloco.cpus_per_worker {cpus:g} = {n * cpus:g} CPUs, "
+                f"but the Ray cluster has {have_cpu:g}: lower one of them or add nodes"
+            )
     need_gpu = n * d.gpus_per_worker
     if need_gpu > res.get("GPU", 0):
         raise ClusterError(
-            f"diloco.replicas x diloco.workers_per_replica x diloco.gpus_per_worker = {need_gpu:g} GPUs, "
+            f"{product} x diloco.gpus_per_worker {d.gpus_per_worker:g} = {need_gpu:g} GPUs, "
             f"but the Ray cluster has {res.get('GPU', 0):g}"
         )
+    return cpus
 
 
 def _start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
@@ -242,7 +258,10 @@ class Trainer:
 
         from .outer import OuterOptimizerActor
 
-        check_resources(self.cfg)
+        self.cfg.diloco.cpus_per_worker = check_resources(self.cfg)
+        if self.cfg.diloco.cpus_per_worker < 1:
+            print(f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
+                  f"({self.cfg.diloco.cpus_per_worker:g} CPU each)", file=sys.stderr)
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
         self.replicas = _start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn)
         w0 = self.replicas[0].rank0
@@ -447,6 +466,9 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
     from .fragments import param_specs, plan_fragments, unflatten_into
     from .replica import build_model
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model = build_model(cfg, vocab_size, model_fn)
     frags = plan_fragments(param_specs(model), len(params))
     named = dict(model.named_parameters())
@@ -519,6 +541,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tok_dir = run_dir / "tokenizer"
         tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         corpus = load_corpus(cfg.data, tok_dir, tokenizer)
+    elif corpus.tokenizer is not None and not (run_dir / "tokenizer").exists():
+        corpus.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     if rs is not None:
         if rs.get("corpus_fingerprint") != corpus.fingerprint:
             raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")

@@ -126,7 +126,7 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
         t.shutdown()
 
 
-def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus):
+def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text):
     """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export loads in
     transformers and gives the checkpoint's loss."""
     import ray
@@ -135,8 +135,8 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus):
     from ray_diloco.evaluate import evaluate_run
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2,
-                                     run__steps=20, run__eval_every=2, run__name="ddp"))
-    summary = train(cfg, corpus=corpus)
+                                     run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text)))
+    summary = train(cfg)
     run_dir = tmp_path / "runs" / "ddp"
     assert summary["run_dir"] == str(run_dir) and json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 20
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5  # uniform prediction: ln(vocab)

@@ -1,0 +1,133 @@
+"""The ray-diloco command as a user runs it: bad input, kill and resume, eval, generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli, tiny_overrides
+
+
+def _one_error_line(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    return errors[0]
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("diloco.H=0", ("diloco.H", "0", ">= 1")),
+    ("diloco.replicas=0", ("diloco.replicas", ">= 1")),
+    ("inner.lr=-1", ("inner.lr", "-1", "> 0")),
+    ("outer.momentum=1", ("outer.momentum", "[0, 1)")),
+    ("inner.global_batch=13", ("inner.global_batch", "13", "divisible")),
+    ("data.seq_len=128", ("data.seq_len", "128", "model.context")),
+    ("diloco.nope=3", ("diloco.nope", "unknown")),
+    ("data.path=/no/such/file.txt", ("data.path", "/no/such/file.txt", "not found")),
+])
+def test_invalid_input_one_line_no_traceback(override, needles, tmp_path):
+    proc = run_cli(["train", "--set", override, "--set", f"run.output_dir={tmp_path}"], timeout=120)
+    _one_error_line(proc, *needles)
+    assert not any(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_bad_yaml_and_unknown_preset(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("diloco: [1, 2\n")
+    _one_error_line(run_cli(["train", "--config", str(bad)], timeout=120), "bad.yaml", "YAML")
+    _one_error_line(run_cli(["train", "--config", "no-such-preset"], timeout=120), "no-such-preset", "presets")
+
+
+def test_more_workers_than_cpus_is_refused_before_starting(tmp_path):
+    proc = run_cli(["train", "--set", "diloco.replicas=4", "--set", "diloco.cpus_per_worker=1",
+                    "--set", f"run.output_dir={tmp_path}", "--set", "run.name=x"], timeout=300)
+    line = _one_error_line(proc, "diloco.replicas", "4", "CPUs")
+    assert "cluster has 2" in line or "cluster has" in line
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
+def test_resume_of_missing_or_corrupt_run(tmp_path):
+    _one_error_line(run_cli(["train", "--resume", str(tmp_path / "nope")], timeout=120), "nope")
+    _one_error_line(run_cli(["eval", str(tmp_path / "nope")], timeout=120), "nope")
+    run = tmp_path / "run"
+    ck = run / "checkpoints" / "step_000002"
+    ck.mkdir(parents=True)
+    (run / "config.yaml").write_text("run:\n  steps: 10\n")
+    (ck / "state.pt").write_bytes(b"\x80\x02garbage that is not a checkpoint")
+    before = (ck / "state.pt").read_bytes()
+    line = _one_error_line(run_cli(["train", "--resume", str(run)], timeout=120), "state.pt", "corrupt")
+    assert str(ck) in line
+    _one_error_line(run_cli(["eval", str(run)], timeout=120), "corrupt")
+    assert (ck / "state.pt").read_bytes() == before  # nothing already written is touched
+
+
+def _write_config(tmp_path, small_text, **extra):
+    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__log_hashes=True, run__deterministic=True, **extra)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, small_text):
+    """Kill the whole job (driver and its Ray) after outer step 3, resume, and every later outer
+    update, the outer momentum and the data read equal those of an uninterrupted run, bit for bit."""
+    cfg = _write_config(tmp_path, small_text, run__steps=150, run__eval_every=0, run__keep_checkpoints=3)
+    full = run_cli(["train", "--config", str(cfg), "--set", "run.name=full"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),
+                             "--set", "run.name=killed"], cwd=str(ROOT), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = tmp_path / "runs" / "killed"
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "step_000003").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before its third checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
+    proc.wait()
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert done and not (run_dir / "summary.json").exists()
+    resumed = run_cli(["train", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _rows(tmp_path / "runs" / "full"), _rows(run_dir)
+    assert [r["outer_step"] for r in b] == [r["outer_step"] for r in a] == list(range(1, 31))
+    for ra, rb in zip(a, b):
+        for key in ("global_sha256", "outer_state_sha256", "data_digest", "train_loss"):
+            assert ra[key] == rb[key], (ra["outer_step"], key)
+    sa = json.loads((tmp_path / "runs" / "full" / "summary.json").read_text())
+    sb = json.loads((run_dir / "summary.json").read_text())
+    assert sa["final_eval_loss"] == sb["final_eval_loss"] and sa["tokens"] == sb["tokens"]
+
+
+@pytest.mark.slow
+def test_train_eval_generate_from_the_command_line(tmp_path, small_text):
+    cfg = _write_config(tmp_path, small_text, run__steps=30, tracking__wandb=True)
+    proc = run_cli(["train", "--config", str(cfg), "--set", "run.name=cli"], env={"WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "cli"
+    assert f"run directory: {run_dir}" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert f"{summary['final_eval_loss']:.4f}" in proc.stdout
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["diloco"]["H"] == 5
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run"
+    ev = run_cli(["eval", str(run_dir)], timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout
+    gen = run_cli(["generate", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
