@@ -287,7 +287,8 @@ class ShardReader:
         T = self.seq_len
         rows = []
         for epoch, w in idx:
-            start = epoch_offset(self.seed, int(epoch), T) + int(w) * T
+            _, offset = self._epoch_plan(int(epoch))
+            start = offset + int(w) * T
             rows.append(self.tokens[start : start + T + 1])
         arr = torch.from_numpy(np.stack(rows).astype(np.int64))
         return arr[:, :-1], arr[:, 1:], idx

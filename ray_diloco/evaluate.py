@@ -14,8 +14,8 @@ from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import load_config
 from .data import load_corpus, load_saved_tokenizer, val_windows
 from .errors import CheckpointError
-from .fragments import param_specs, plan_fragments, unflatten_into
-from .replica import build_model, evaluate_loss
+from .export import model_with_params
+from .replica import evaluate_loss
 
 
 def _tokenizer(run_dir: Path):
@@ -28,13 +28,8 @@ def _tokenizer(run_dir: Path):
 def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None) -> torch.nn.Module:
     """The model holding a checkpoint's global parameters (DP: rank 0's parameters), fp32 CPU."""
     cfg = load_config(state["config"], validate=False)
-    model = build_model(cfg, vocab_size, model_fn)
     params = state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
-    frags = plan_fragments(param_specs(model), len(params))
-    named = dict(model.named_parameters())
-    for f, arr in zip(frags, params):
-        unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
-    return model
+    return model_with_params(cfg, params, vocab_size, model_fn)
 
 
 def evaluate_run(run_dir: str | Path, step: int | None = None) -> tuple[float, int, Path]:

@@ -14,7 +14,6 @@ and schedule: one DDP group over all M x W workers and no outer step.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -26,27 +25,14 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
 from .config import Config, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, val_windows
-from .errors import CheckpointError, ClusterError, ConfigError, DataError
+from .errors import CheckpointError, ClusterError, ConfigError
+from .export import export_model
 from .model import ModelFn
 from .schedules import is_due, outer_step_bounds
 from .tracking import Tracker, write_summary
-
-log = logging.getLogger("ray_diloco")
-
-
-@dataclass
-class Replica:
-    """The Ray actors of one replica (rank 0 first) and their placement group."""
-
-    index: int
-    workers: list[Any]
-    placement_group: Any
-
-    @property
-    def rank0(self) -> Any:
-        return self.workers[0]
 
 
 @dataclass
@@ -66,12 +52,23 @@ class RunState:
 # run directory
 
 
-def _new_run_dir(cfg: Config) -> Path:
-    name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}"
-    run_dir = Path(cfg.run.output_dir).expanduser() / name
+def _run_dir_for(cfg: Config) -> Path:
+    """The new run's directory (not created yet).
+
+    Raises:
+        ConfigError: if it exists and is not empty (an existing run is never overwritten).
+    """
+    if cfg.run.name is None:  # fixed once, so checking and creating name the same directory
+        cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}"
+    run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError([f"run.name = {name!r}: run directory {run_dir} already exists and is not empty "
+        raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
                            f"(resume it with --resume {run_dir}, or choose another run.name)"])
+    return run_dir
+
+
+def _new_run_dir(cfg: Config) -> Path:
+    run_dir = _run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -91,143 +88,6 @@ def _truncate_metrics(run_dir: Path, outer_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(k + "\n" for k in keep))
     os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------
-# Ray
-
-
-def _init_ray(cfg: Config) -> bool:
-    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.run.address or os.environ.get("RAY_ADDRESS")
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
-                 include_dashboard=False if address is None else None)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ClusterError(f"run.address = {address!r}: cannot connect to a Ray cluster ({str(e).splitlines()[0]})") from None
-    return True
-
-
-MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out
-
-
-def check_resources(cfg: Config) -> float:
-    """Fail before starting anything when the cluster cannot host every worker at once.
-
-    Returns the CPUs per worker: ``diloco.cpus_per_worker`` when set, else the cluster's CPUs
-    shared evenly (whole CPUs when there are enough, else a fraction of at least 0.5).
-
-    Raises:
-        ClusterError: naming the fields, their product and the cluster's CPUs/GPUs.
-    """
-    import ray
-
-    d = cfg.diloco
-    res = ray.cluster_resources()
-    n = cfg.num_shards
-    have_cpu = res.get("CPU", 0)
-    product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
-    if d.cpus_per_worker is None:
-        per = have_cpu / n
-        if per < MIN_AUTO_CPUS:
-            raise ClusterError(
-                f"{product}, but the Ray cluster has {have_cpu:g} CPUs (fewer than {MIN_AUTO_CPUS:g} per worker): "
-                "lower diloco.replicas or diloco.workers_per_replica, add nodes, or set diloco.cpus_per_worker"
-            )
-        cpus = float(int(per)) if per >= 1 else per
-    else:
-        cpus = d.cpus_per_worker
-        if n * cpus > have_cpu:
-            raise ClusterError(
-                f"{product} x diloco.cpus_per_worker {cpus:g} = {n * cpus:g} CPUs, "
-                f"but the Ray cluster has {have_cpu:g}: lower one of them or add nodes"
-            )
-    need_gpu = n * d.gpus_per_worker
-    if need_gpu > res.get("GPU", 0):
-        raise ClusterError(
-            f"{product} x diloco.gpus_per_worker {d.gpus_per_worker:g} = {need_gpu:g} GPUs, "
-            f"but the Ray cluster has {res.get('GPU', 0):g}"
-        )
-    return cpus
-
-
-def _start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
-                    model_fn: ModelFn | None) -> list[Replica]:
-    """Placement groups and worker actors; process groups formed; data shards opened."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from .replica import ReplicaWorker
-
-    d = cfg.diloco
-    bundle = {"CPU": d.cpus_per_worker}
-    if d.gpus_per_worker:
-        bundle["GPU"] = d.gpus_per_worker
-    if cfg.algorithm == "dp":  # one DDP group over every worker
-        layout = [(0, cfg.num_shards, "PACK")]
-    else:
-        layout = [(m, d.workers_per_replica, "STRICT_PACK") for m in range(d.replicas)]
-    Worker = ray.remote(ReplicaWorker)
-    replicas: list[Replica] = []
-    try:
-        for m, world, strategy in layout:
-            pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{m}")
-            replicas.append(Replica(m, [], pg))
-        for r in replicas:
-            try:
-                ray.get(r.placement_group.ready(), timeout=d.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise ClusterError(
-                    f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
-                    f"({len(r.placement_group.bundle_specs)} x {bundle}, {layout[0][2]}) was not placed in time"
-                ) from None
-        for (m, world, _), r in zip(layout, replicas):
-            for rank in range(world):
-                shard = m * world + rank
-                r.workers.append(Worker.options(
-                    num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
-                    name=None,
-                ).remote(cfg.to_dict(), m, rank, world, shard, cfg.num_shards, vocab_size, model_fn))
-        masters = ray.get([r.rank0.node_address.remote() for r in replicas])
-        train_ref, val_ref = corpus_refs
-        ray.get([w.setup.remote(addr, train_ref, val_ref) for r, addr in zip(replicas, masters) for w in r.workers])
-    except BaseException:
-        _stop_replicas(replicas)
-        for r in replicas:
-            remove_placement_group(r.placement_group)
-        raise
-    return replicas
-
-
-def _stop_replicas(replicas: list[Replica]) -> None:
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for r in replicas:
-        for w in r.workers:
-            try:
-                ray.kill(w)
-            except Exception:
-                pass
-        try:
-            remove_placement_group(r.placement_group)
-        except Exception:
-            pass
-
-
-def _all_workers(replicas: list[Replica]) -> list[Any]:
-    return [w for r in replicas for w in r.workers]
-
-
-def _cause(e: BaseException) -> str:
-    text = str(getattr(e, "cause", None) or e).strip().splitlines()
-    return next((ln for ln in reversed(text) if ln.strip()), type(e).__name__)[:300]
 
 
 # ---------------------------------------------------------------------------------------
@@ -263,33 +123,33 @@ class Trainer:
             print(f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
                   f"({self.cfg.diloco.cpus_per_worker:g} CPU each)", file=sys.stderr)
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
-        self.replicas = _start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn)
+        self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn)
         w0 = self.replicas[0].rank0
         self.num_fragments = ray.get(w0.num_fragments.remote())
         specs = ray.get(w0.param_specs.remote())
         self.num_params = sum(s.numel for s in specs)
-        self.fragment_bytes = [4 * self.num_params] if self.num_fragments == 1 else None
         print(f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
               f"{len(specs)} tensors, {self.num_fragments} fragment(s)", file=sys.stderr)
         rs = self.resume_state
-        if rs is not None:
-            self._restore_workers(rs)
         if self.cfg.algorithm == "diloco":
-            initial = ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])
+            # the global parameters start as rank 0's initialisation (identical in every worker)
+            initial = rs["outer"]["global"] if rs is not None else \
+                ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])
             self.outer = OuterOptimizerActor.remote(initial, self.cfg.outer)
             if rs is not None:
                 ray.get(self.outer.load_state_dict.remote(rs["outer"]))
             globals_ = ray.get([self.outer.global_ref.remote(p) for p in range(self.num_fragments)])
-            ray.get([w.load_global.remote(p, g) for p, g in enumerate(globals_) for w in _all_workers(self.replicas)])
-            if rs is not None:  # local params may differ from global (saved mid-flight); restore them
-                self._restore_workers(rs, params_only=True)
-        if rs is not None:
+            ray.get([w.load_global.remote(p, g) for p, g in enumerate(globals_) for w in all_workers(self.replicas)])
+        if rs is not None:  # after load_global: a worker's local parameters may differ from the global ones
+            self._restore_workers(rs)
             c = rs["counters"]
             self.state = RunState(**{k: c[k] for k in ("outer_step", "inner_step", "tokens", "bytes_sent",
                                                        "bytes_received", "last_eval")},
                                   evals=[tuple(e) for e in c.get("evals", [])])
 
-    def _restore_workers(self, rs: dict[str, Any], params_only: bool = False) -> None:
+    def _restore_workers(self, rs: dict[str, Any]) -> None:
+        """Inner-optimiser state and local parameters (rank 0's, for every rank of its replica),
+        data position and RNG (each worker's own) from a checkpoint."""
         import ray
 
         states = rs["workers"]
@@ -297,13 +157,8 @@ class Trainer:
         for r in self.replicas:
             rank0_state = states[(r.index, 0)]
             for rank, w in enumerate(r.workers):
-                s = dict(states[(r.index, rank)])
-                s.setdefault("optimizer", rank0_state["optimizer"])
-                s.setdefault("local", rank0_state["local"])
-                if params_only:
-                    calls.append(w.load_local.remote(s["local"]))
-                else:
-                    calls.append(w.load_state_dict.remote(s))
+                s = {**states[(r.index, rank)], "optimizer": rank0_state["optimizer"], "local": rank0_state["local"]}
+                calls.append(w.load_state_dict.remote(s))
         ray.get(calls)
 
     # -- one outer step --------------------------------------------------------------------
@@ -313,7 +168,7 @@ class Trainer:
         cfg = self.cfg
         start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
         t0 = time.perf_counter()
-        workers = _all_workers(self.replicas)
+        workers = all_workers(self.replicas)
         train_refs = [w.train.remote(start, end) for w in workers]
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len
@@ -372,7 +227,7 @@ class Trainer:
         spread across all workers."""
         import ray
 
-        workers = _all_workers(self.replicas)
+        workers = all_workers(self.replicas)
         n = val_windows(self.corpus.val, self.cfg.data.seq_len)
         chunks = np.array_split(np.arange(n), len(workers))
         parts = ray.get([w.evaluate.remote(c) for w, c in zip(workers, chunks) if len(c)])
@@ -442,56 +297,15 @@ class Trainer:
     def shutdown(self) -> None:
         import ray
 
-        for w in _all_workers(self.replicas):
+        for w in all_workers(self.replicas):
             try:
                 ray.get(w.shutdown.remote(), timeout=10)
             except Exception:
                 pass
-        _stop_replicas(self.replicas)
+        stop_replicas(self.replicas)
         if self.outer is not None:
             ray.kill(self.outer)
         self.replicas, self.outer = [], None
-
-
-# ---------------------------------------------------------------------------------------
-# export
-
-
-def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokenizer: Any, out_dir: Path,
-                 model_fn: ModelFn | None = None) -> Path:
-    """Write the global model: ``save_pretrained`` (+ tokenizer) for transformers models, so
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; ``model.pt`` (state dict) otherwise."""
-    import torch
-
-    from .fragments import param_specs, plan_fragments, unflatten_into
-    from .replica import build_model
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model = build_model(cfg, vocab_size, model_fn)
-    frags = plan_fragments(param_specs(model), len(params))
-    named = dict(model.named_parameters())
-    for f, arr in zip(frags, params):
-        unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    else:
-        torch.save(model.state_dict(), tmp / "model.pt")
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    os.rename(tmp, out_dir)
-    return out_dir
 
 
 # ---------------------------------------------------------------------------------------
@@ -500,7 +314,11 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
 
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
             address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
-    """Resolve the config and run directory (new, or the one being resumed) and the checkpoint."""
+    """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
+
+    Raises:
+        ConfigError, CheckpointError: before anything is started or written.
+    """
     if resume is not None:
         run_dir = Path(resume).expanduser()
         if not (run_dir / "config.yaml").is_file():
@@ -510,12 +328,9 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         state = load_checkpoint(ckpt_path)
     else:
         cfg = load_config(config, overrides)
-        run_dir, state = None, None
+        run_dir, state = _run_dir_for(cfg), None
     if address is not None:
         cfg.run.address = address
-    if run_dir is None:
-        run_dir = _new_run_dir(cfg)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
     return cfg, run_dir, state
 
 
@@ -537,20 +352,23 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     import ray
 
     cfg, run_dir, rs = prepare(config, overrides, resume, address)
+    tok_dir = run_dir / "tokenizer"
     if corpus is None:
-        tok_dir = run_dir / "tokenizer"
         tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-        corpus = load_corpus(cfg.data, tok_dir, tokenizer)
-    elif corpus.tokenizer is not None and not (run_dir / "tokenizer").exists():
-        corpus.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-    if rs is not None:
-        if rs.get("corpus_fingerprint") != corpus.fingerprint:
-            raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
-        _truncate_metrics(run_dir, rs["outer_step"])
-    started_ray = _init_ray(cfg)
+        corpus = load_corpus(cfg.data, tokenizer=tokenizer)
+    if rs is not None and rs.get("corpus_fingerprint") != corpus.fingerprint:
+        raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
+    started_ray = init_ray(cfg)
     trainer = Trainer(cfg, run_dir, corpus, model_fn, rs)
     tracker = None
     try:
+        check_resources(cfg)  # before the run directory is written
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if corpus.tokenizer is not None and not tok_dir.exists():
+            corpus.tokenizer.save_pretrained(str(tok_dir))
+        if rs is not None:
+            _truncate_metrics(run_dir, rs["outer_step"])
         trainer.start()
         print(f"run directory: {run_dir}", file=sys.stderr)
         tracker = Tracker(cfg, run_dir, cfg.run.steps, trainer.state.inner_step)
@@ -585,7 +403,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tracker.finish(summary)
         tracker = None
     except ray.exceptions.RayError as e:
-        raise ClusterError(f"a replica failed: {_cause(e)}") from None
+        raise ClusterError(f"a replica failed: {error_cause(e)}") from None
     finally:
         if tracker is not None:
             tracker.finish({})
@@ -597,4 +415,4 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     return summary
 
 
-__all__ = ["train", "Trainer", "export_model", "check_resources", "DataError"]
+__all__ = ["train", "prepare", "Trainer", "RunState"]

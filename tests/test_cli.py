@@ -11,7 +11,6 @@ import time
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cli, tiny_overrides
 
 

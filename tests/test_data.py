@@ -76,3 +76,11 @@ def test_reader_position_resumes_exactly(corpus):
 def test_validation_windows_cover_the_split(corpus):
     n = val_windows(corpus.val, 16)
     assert n * 16 + 1 <= len(corpus.val) < (n + 1) * 16 + 1
+
+
+def test_hugging_face_tokenizer_by_local_path(corpus, small_text, tmp_path):
+    corpus.tokenizer.save_pretrained(str(tmp_path / "tok"))
+    c = load_corpus(DataConfig(path=str(small_text), tokenizer=str(tmp_path / "tok"), seq_len=16))
+    assert np.array_equal(c.train, corpus.train) and c.vocab_size == corpus.vocab_size
+    with pytest.raises(DataError, match="data.tokenizer"):
+        load_corpus(DataConfig(path=str(small_text), tokenizer=str(tmp_path / "missing-tok")))

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from conftest import ROOT
+
 from ray_diloco.config import Config
 
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from ray_diloco.config import load_config
 from ray_diloco.data import ShardReader, val_windows
 from ray_diloco.fragments import flatten, param_specs, plan_fragments
@@ -129,7 +129,6 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
 def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text):
     """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export loads in
     transformers and gives the checkpoint's loss."""
-    import ray
     from transformers import AutoModelForCausalLM
 
     from ray_diloco.evaluate import evaluate_run
@@ -175,3 +174,18 @@ def test_dp_baseline_trains_with_same_metrics(ray_session, tmp_path, corpus):
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5
     rows = [json.loads(x) for x in (tmp_path / "runs" / "dp" / "metrics.jsonl").read_text().splitlines()]
     assert {"train_loss", "inner_lr", "tokens_per_s", "inner_compute_s", "eval_loss"} <= set(rows[-1])
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, corpus):
+    import ray
+
+    cfg = load_config(tiny_overrides(tmp_path, run__precision="bf16", run__steps=10))
+    t = _trainer(cfg, tmp_path, corpus)
+    try:
+        rows = [t._round(k) for k in (1, 2)]
+        assert all(np.isfinite(r["train_loss"]) for r in rows) and rows[1]["train_loss"] < rows[0]["train_loss"]
+        (glob,) = ray.get(t.outer.global_params.remote())
+        assert glob.dtype == np.float32 and np.isfinite(glob).all()
+        assert np.isfinite(t.evaluate())
+    finally:
+        t.shutdown()

@@ -1,0 +1,165 @@
+"""Ray plumbing: joining or starting a cluster, checking it can host the run, and starting or
+stopping the replicas (placement groups + worker actors + their process groups).
+
+A replica is ``workers_per_replica`` :class:`~ray_diloco.replica.ReplicaWorker` actors in one
+STRICT_PACK placement group (same node: DDP traffic stays local); the DP baseline puts all
+``M x W`` workers in one PACK group that forms a single DDP group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Config
+from .errors import ClusterError
+from .model import ModelFn
+
+
+@dataclass
+class Replica:
+    """The Ray actors of one replica (rank 0 first) and their placement group."""
+
+    index: int
+    workers: list[Any]
+    placement_group: Any
+
+    @property
+    def rank0(self) -> Any:
+        return self.workers[0]
+
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.run.address or os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
+                 include_dashboard=False if address is None else None)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ClusterError(f"run.address = {address!r}: cannot connect to a Ray cluster ({str(e).splitlines()[0]})") from None
+    return True
+
+
+MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out
+
+
+def check_resources(cfg: Config) -> float:
+    """Fail before starting anything when the cluster cannot host every worker at once.
+
+    Returns the CPUs per worker: ``diloco.cpus_per_worker`` when set, else the cluster's CPUs
+    shared evenly (whole CPUs when there are enough, else a fraction of at least 0.5).
+
+    Raises:
+        ClusterError: naming the fields, their product and the cluster's CPUs/GPUs.
+    """
+    import ray
+
+    d = cfg.diloco
+    res = ray.cluster_resources()
+    n = cfg.num_shards
+    have_cpu = res.get("CPU", 0)
+    product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
+    if d.cpus_per_worker is None:
+        per = have_cpu / n
+        if per < MIN_AUTO_CPUS:
+            raise ClusterError(
+                f"{product}, but the Ray cluster has {have_cpu:g} CPUs (fewer than {MIN_AUTO_CPUS:g} per worker): "
+                "lower diloco.replicas or diloco.workers_per_replica, add nodes, or set diloco.cpus_per_worker"
+            )
+        cpus = float(int(per)) if per >= 1 else per
+    else:
+        cpus = d.cpus_per_worker
+        if n * cpus > have_cpu:
+            raise ClusterError(
+                f"{product} x diloco.cpus_per_worker {cpus:g} = {n * cpus:g} CPUs, "
+                f"but the Ray cluster has {have_cpu:g}: lower one of them or add nodes"
+            )
+    need_gpu = n * d.gpus_per_worker
+    if need_gpu > res.get("GPU", 0):
+        raise ClusterError(
+            f"{product} x diloco.gpus_per_worker {d.gpus_per_worker:g} = {need_gpu:g} GPUs, "
+            f"but the Ray cluster has {res.get('GPU', 0):g}"
+        )
+    return cpus
+
+
+def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
+                    model_fn: ModelFn | None) -> list[Replica]:
+    """Placement groups and worker actors; process groups formed; data shards opened."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .replica import ReplicaWorker
+
+    d = cfg.diloco
+    bundle = {"CPU": d.cpus_per_worker}
+    if d.gpus_per_worker:
+        bundle["GPU"] = d.gpus_per_worker
+    if cfg.algorithm == "dp":  # one DDP group over every worker
+        layout = [(0, cfg.num_shards, "PACK")]
+    else:
+        layout = [(m, d.workers_per_replica, "STRICT_PACK") for m in range(d.replicas)]
+    Worker = ray.remote(ReplicaWorker)
+    replicas: list[Replica] = []
+    try:
+        for m, world, strategy in layout:
+            pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{m}")
+            replicas.append(Replica(m, [], pg))
+        for r in replicas:
+            try:
+                ray.get(r.placement_group.ready(), timeout=d.placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ClusterError(
+                    f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
+                    f"({len(r.placement_group.bundle_specs)} x {bundle}, {layout[0][2]}) was not placed in time"
+                ) from None
+        for (m, world, _), r in zip(layout, replicas):
+            for rank in range(world):
+                shard = m * world + rank
+                r.workers.append(Worker.options(
+                    num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
+                    name=None,
+                ).remote(cfg.to_dict(), m, rank, world, shard, cfg.num_shards, vocab_size, model_fn))
+        masters = ray.get([r.rank0.node_address.remote() for r in replicas])
+        train_ref, val_ref = corpus_refs
+        ray.get([w.setup.remote(addr, train_ref, val_ref) for r, addr in zip(replicas, masters) for w in r.workers])
+    except BaseException:
+        stop_replicas(replicas)
+        for r in replicas:
+            remove_placement_group(r.placement_group)
+        raise
+    return replicas
+
+
+def stop_replicas(replicas: list[Replica]) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for r in replicas:
+        for w in r.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(r.placement_group)
+        except Exception:
+            pass
+
+
+def all_workers(replicas: list[Replica]) -> list[Any]:
+    return [w for r in replicas for w in r.workers]
+
+
+def error_cause(e: BaseException) -> str:
+    text = str(getattr(e, "cause", None) or e).strip().splitlines()
+    return next((ln for ln in reversed(text) if ln.strip()), type(e).__name__)[:300]

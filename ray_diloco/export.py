@@ -1,0 +1,52 @@
+"""The global model as a model: built from flat fp32 fragments, exported for transformers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import Config
+from .fragments import param_specs, plan_fragments, unflatten_into
+from .model import ModelFn
+
+
+def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
+                      model_fn: ModelFn | None = None) -> torch.nn.Module:
+    """A fresh model (fp32, CPU) holding ``params``: one fp32 array ``[numel_p]`` per fragment."""
+    from .replica import build_model
+
+    model = build_model(cfg, vocab_size, model_fn)
+    frags = plan_fragments(param_specs(model), len(params))
+    named = dict(model.named_parameters())
+    for f, arr in zip(frags, params):
+        unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
+    return model
+
+
+def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokenizer: Any, out_dir: Path,
+                 model_fn: ModelFn | None = None) -> Path:
+    """Write the global model: ``save_pretrained`` (+ tokenizer) for transformers models, so
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; ``model.pt`` (state dict) otherwise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = model_with_params(cfg, params, vocab_size, model_fn)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    else:
+        torch.save(model.state_dict(), tmp / "model.pt")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.rename(tmp, out_dir)
+    return out_dir
