@@ -26,6 +26,7 @@ STATE_FILE = "state.pt"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
+    """``RUN_DIR/checkpoints``."""
     return Path(run_dir) / "checkpoints"
 
 

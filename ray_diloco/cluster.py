@@ -28,6 +28,7 @@ class Replica:
 
     @property
     def rank0(self) -> Any:
+        """The worker that computes and sends this replica's pseudo-gradient."""
         return self.workers[0]
 
 
@@ -141,6 +142,7 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
 
 
 def stop_replicas(replicas: list[Replica]) -> None:
+    """Kill the replicas' actors and remove their placement groups (errors ignored: best effort)."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -157,9 +159,11 @@ def stop_replicas(replicas: list[Replica]) -> None:
 
 
 def all_workers(replicas: list[Replica]) -> list[Any]:
+    """Every worker actor, replica by replica, rank 0 first."""
     return [w for r in replicas for w in r.workers]
 
 
 def error_cause(e: BaseException) -> str:
+    """The last non-empty line of a Ray error's cause (at most 300 characters), for one-line messages."""
     text = str(getattr(e, "cause", None) or e).strip().splitlines()
     return next((ln for ln in reversed(text) if ln.strip()), type(e).__name__)[:300]

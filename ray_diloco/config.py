@@ -161,9 +161,11 @@ class Config:
         return -(-self.run.steps // self.diloco.H)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as nested plain dicts (YAML/JSON/W&B friendly)."""
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
+        """The config as YAML, sections in declaration order (written to ``RUN_DIR/config.yaml``)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 

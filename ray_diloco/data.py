@@ -165,6 +165,11 @@ def build_tokenizer(cfg: DataConfig, texts: list[str]):
 
 
 def load_saved_tokenizer(directory: Path):
+    """A tokenizer saved with ``save_pretrained`` (a run's ``tokenizer/``).
+
+    Raises:
+        DataError: when it cannot be loaded.
+    """
     from transformers import AutoTokenizer
 
     try:
@@ -281,6 +286,8 @@ class ShardReader:
         return out
 
     def next_batch(self, batch: int):
+        """``(x, y, idx)``: int64 ``[batch, seq_len]`` inputs and next-token targets, and the
+        ``[batch, 2]`` (epoch, window) pairs read; advances the read position."""
         import torch
 
         idx = self.next_indices(batch)
@@ -294,9 +301,15 @@ class ShardReader:
         return arr[:, :-1], arr[:, 1:], idx
 
     def state(self) -> dict[str, int]:
+        """The resumable read position ``{epoch, pos, shard, num_shards}``."""
         return {"epoch": self.epoch, "pos": self.pos, "shard": self.shard, "num_shards": self.num_shards}
 
     def load_state(self, state: dict[str, int]) -> None:
+        """Restore a position from :meth:`state`.
+
+        Raises:
+            DataError: if it belongs to another shard layout.
+        """
         if state["shard"] != self.shard or state["num_shards"] != self.num_shards:
             raise DataError(
                 f"data position is for shard {state['shard']}/{state['num_shards']}, "

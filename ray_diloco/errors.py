@@ -7,6 +7,7 @@ class RayDilocoError(Exception):
     """Base class: a user-facing problem with input, data, checkpoints or the cluster."""
 
     def lines(self) -> list[str]:
+        """The message as the lines the CLI prints (one per problem)."""
         return [str(self)]
 
 
@@ -18,6 +19,7 @@ class ConfigError(RayDilocoError):
         super().__init__("; ".join(self.problems))
 
     def lines(self) -> list[str]:
+        """One ``config error: FIELD = VALUE: what is allowed`` line per problem."""
         return [f"config error: {p}" for p in self.problems]
 
 

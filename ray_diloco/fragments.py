@@ -24,6 +24,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
 
 
@@ -36,14 +37,17 @@ class Fragment:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return sum(p.numel for p in self.params)
 
     @property
     def nbytes_fp32(self) -> int:
+        """Bytes of the fragment as fp32 (4 per element)."""
         return 4 * self.numel
 
     @property
     def names(self) -> tuple[str, ...]:
+        """Parameter names in exchange order."""
         return tuple(p.name for p in self.params)
 
 

@@ -91,6 +91,7 @@ def build_transformers_model(shape: dict[str, Any], vocab_size: int | None = Non
 
 
 def count_parameters(model: torch.nn.Module) -> int:
+    """Total elements of ``model.parameters()``."""
     return sum(p.numel() for p in model.parameters())
 
 

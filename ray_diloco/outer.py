@@ -122,6 +122,11 @@ class OuterOptimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts).
+
+        Raises:
+            ValueError: if the number of fragments differs.
+        """
         if len(state["global"]) != len(self.params):
             raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {len(self.params)}")
         for i, g in enumerate(state["global"]):

@@ -146,9 +146,11 @@ class ReplicaWorker:
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
 
     def param_specs(self) -> list[ParamSpec]:
+        """Names and shapes of the trainable parameters, in exchange order."""
         return self.specs
 
     def num_fragments(self) -> int:
+        """Number of fragments the parameters are exchanged in (1: plain DiLoCo)."""
         return len(self.fragments)
 
     def local_fragment(self, fragment: int) -> np.ndarray:
@@ -156,6 +158,7 @@ class ReplicaWorker:
         return flatten(self.params, self.fragments[fragment]).numpy()
 
     def params_hash(self) -> str:
+        """sha256 of this worker's local parameters (fp32 bytes, exchange order)."""
         return tensor_hash([self.params[s.name] for s in self.specs])
 
     def global_hash(self) -> str:
@@ -264,6 +267,7 @@ class ReplicaWorker:
         torch.set_rng_state(state["torch_rng"])
 
     def shutdown(self) -> None:
+        """Leave the replica's process group."""
         if self.group:
             import torch.distributed as dist
 

@@ -94,17 +94,24 @@ class Tracker:
         return rid
 
     def log(self, row: dict[str, Any]) -> None:
+        """Append one row to ``metrics.jsonl``; mirror its numbers to W&B (nested dicts as ``key/sub``)."""
         row = {k: _clean(v) for k, v in row.items()}
         self._file.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
             try:
-                flat = {k: v for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
+                flat = {}
+                for k, v in row.items():  # nested per-replica dicts become "key/replica_m"
+                    items = v.items() if isinstance(v, dict) else [(None, v)]
+                    for sub, x in items:
+                        if isinstance(x, (int, float)) and not isinstance(x, bool) and x is not None:
+                            flat[k if sub is None else f"{k}/{sub}"] = x
                 self.wandb_run.log(flat, step=int(row.get("inner_step", 0)))
             except Exception as e:
                 print(f"warning: W&B logging stopped ({type(e).__name__})", file=sys.stderr)
                 self.wandb_run = None
 
     def progress(self, steps: int, **postfix: Any) -> None:
+        """Advance the progress bar by ``steps`` inner steps and show ``postfix``."""
         if self.bar is not None:
             self.bar.update(steps)
             self.bar.set_postfix({k: v for k, v in postfix.items() if v is not None}, refresh=True)
@@ -117,6 +124,7 @@ class Tracker:
             print(msg, file=sys.stderr)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        """Close the bar and metrics file; put ``summary`` into the W&B run summary and finish it."""
         if self.bar is not None:
             self.bar.close()
         self._file.close()

@@ -114,6 +114,8 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
+        """Check resources, start the replicas and the outer-optimiser actor, load the global
+        parameters into every worker, and restore a checkpoint when resuming."""
         import ray
 
         from .outer import OuterOptimizerActor
@@ -236,6 +238,7 @@ class Trainer:
         return total / count
 
     def checkpoint(self) -> Path:
+        """Gather the outer state and every worker's state and write them atomically."""
         import ray
 
         workers_state = {}
@@ -272,6 +275,8 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, tracker: Tracker) -> dict[str, Any]:
+        """The outer-step loop from the current state to ``run.steps``; evals and checkpoints
+        when due. Returns wall, inner-compute and outer-wait seconds."""
         cfg = self.cfg
         last = cfg.num_outer_steps
         t_start = time.perf_counter()
@@ -295,6 +300,7 @@ class Trainer:
         return {"wall_s": wall, "inner_compute_s": compute_total, "outer_wait_s": wait_total}
 
     def shutdown(self) -> None:
+        """Leave process groups, kill the actors, remove the placement groups."""
         import ray
 
         for w in all_workers(self.replicas):

@@ -123,7 +123,10 @@ def test_train_eval_generate_from_the_command_line(tmp_path, small_text):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert f"{summary['final_eval_loss']:.4f}" in proc.stdout
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["diloco"]["H"] == 5
-    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run"
+    offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert offline, "no offline W&B run"
+    record = offline[0].read_bytes()  # W&B's protobuf log: the metric keys appear as strings
+    assert b"eval_loss" in record and b"train_loss_replica/replica_1" in record
     ev = run_cli(["eval", str(run_dir)], timeout=300)
     assert ev.returncode == 0, ev.stderr
     assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout
