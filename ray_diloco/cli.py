@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     import signal
 
-    def _terminate(signum, frame):  # SIGTERM (ray job stop, kill): clean up like Ctrl-C
-        raise KeyboardInterrupt
+    from . import cluster
 
-    signal.signal(signal.SIGTERM, _terminate)
+    cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
+    signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config}
     try:
         return handlers[a.command](a)

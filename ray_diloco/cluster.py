@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +35,23 @@ class Replica:
 
 
 
+#: Set by the CLI: after ``ray.init`` (whose core worker installs its own fatal-signal handler),
+#: SIGTERM (``ray job stop``, ``kill``) is turned into KeyboardInterrupt again, so a run
+#: stops its actors and its local cluster cleanly instead of aborting.
+GRACEFUL_SIGTERM = False
+
+
+def raise_keyboard_interrupt(signum, frame):
+    """Signal handler: stop the way Ctrl-C does (``finally`` blocks run, actors are removed)."""
+    raise KeyboardInterrupt
+
+
 def init_ray(cfg: Config) -> bool:
-    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it."""
+    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it.
+
+    Raises:
+        ClusterError: when the address cannot be reached.
+    """
     import ray
 
     if ray.is_initialized():
@@ -45,6 +62,8 @@ def init_ray(cfg: Config) -> bool:
                  include_dashboard=False if address is None else None)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ClusterError(f"run.address = {address!r}: cannot connect to a Ray cluster ({str(e).splitlines()[0]})") from None
+    if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     return True
 
 

@@ -130,8 +130,13 @@ class Trainer:
         self.num_fragments = ray.get(w0.num_fragments.remote())
         specs = ray.get(w0.param_specs.remote())
         self.num_params = sum(s.numel for s in specs)
+        c = self.cfg
+        tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
         print(f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
               f"{len(specs)} tensors, {self.num_fragments} fragment(s)", file=sys.stderr)
+        print(f"{c.algorithm}: M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), "
+              f"H={c.diloco.H}, {c.run.steps} inner steps ({c.num_outer_steps} outer), global batch "
+              f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
         rs = self.resume_state
         if self.cfg.algorithm == "diloco":
             # the global parameters start as rank 0's initialisation (identical in every worker)

@@ -133,3 +133,33 @@ def test_train_eval_generate_from_the_command_line(tmp_path, small_text):
     gen = run_cli(["generate", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path, small_text):
+    """`ray job stop` / `kill` send SIGTERM: the driver stops its actors and its local Ray, exits
+    130 without a traceback, and the run directory resumes to completion."""
+    cfg = _write_config(tmp_path, small_text, run__steps=300, run__eval_every=0)
+    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),
+                             "--set", "run.name=term"], cwd=str(ROOT), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "runs" / "term"
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "step_000002").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted" in err
+    for _ in range(100):  # the Ray processes this driver started are gone too
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the interrupted run are still alive")
+    resumed = run_cli(["train", "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 300
