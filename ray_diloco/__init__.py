@@ -1,4 +1,5 @@
-"""ray_diloco: DiLoCo and Streaming DiLoCo training of language models on Ray.
+"""ray_diloco: DiLoCo training of language models on Ray (Streaming DiLoCo is being built on the
+per-fragment exchange).
 
 Python API::
 

@@ -31,16 +31,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="Ray cluster address ('auto' joins a running cluster); default: start a local one")
 
     e = sub.add_parser("eval", help="validation loss of a run's newest checkpoint (global parameters)")
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="a run directory (with checkpoints/)")
     e.add_argument("--step", type=int, default=None, help="outer step of the checkpoint (default: newest)")
 
     g = sub.add_parser("generate", help="sample text from a run's exported model")
     g.add_argument("run_dir")
-    g.add_argument("--prompt", default="\n")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="softmax temperature > 0 (default 0.8)")
+    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default 50)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
     c = sub.add_parser("config", help="print the resolved config as YAML (after --config and --set)")
     _add_config_args(c)

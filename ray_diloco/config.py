@@ -47,7 +47,7 @@ class ModelConfig:
 class DataConfig:
     """Where the text comes from and how it is tokenised and packed."""
 
-    path: str | None = None  # local .txt / .jsonl / .json / .parquet; None: bundled Tiny Shakespeare
+    path: str | None = None  # local .txt/.md/.text, .jsonl/.json, .parquet or .csv; None: bundled Tiny Shakespeare
     dataset: str | None = None  # hub dataset name, e.g. "allenai/c4" (used when path is None)
     dataset_config: str | None = None  # e.g. "en"
     split: str = "train"

@@ -179,12 +179,20 @@ def load_saved_tokenizer(directory: Path):
 
 
 def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
-    """One int32 stream: documents joined by the tokenizer's EOS token when it has one."""
+    """One int32 stream: documents joined by the tokenizer's EOS token when it has one.
+
+    Raises:
+        DataError: when the tokenizer cannot encode the text.
+    """
     eos = getattr(tokenizer, "eos_token_id", None)
     parts: list[np.ndarray] = []
     batch = 1000
     for start in range(0, len(texts), batch):
-        enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
+        try:
+            enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
+        except Exception as e:  # e.g. a char vocabulary built on another corpus
+            raise DataError(f"data: the tokenizer cannot encode this corpus ({str(e).splitlines()[0]}); "
+                            "was the run trained on other text?") from None
         for ids in enc:
             parts.append(np.asarray(ids, dtype=np.int32))
             if eos is not None:

@@ -15,6 +15,7 @@ from .config import load_config
 from .data import load_corpus, load_saved_tokenizer, val_windows
 from .errors import CheckpointError
 from .export import model_with_params
+from .model import logits_of
 from .replica import evaluate_loss
 
 
@@ -25,20 +26,31 @@ def _tokenizer(run_dir: Path):
     return load_saved_tokenizer(tok_dir)
 
 
-def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None) -> torch.nn.Module:
-    """The model holding a checkpoint's global parameters (DP: rank 0's parameters), fp32 CPU."""
+def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None, run_dir: Path | None = None) -> torch.nn.Module:
+    """The model holding a checkpoint's global parameters (DP: rank 0's parameters), fp32 CPU.
+
+    Raises:
+        CheckpointError: the run used a custom ``model_fn`` and none is given, or shapes differ.
+    """
+    if state.get("custom_model") and model_fn is None:
+        raise CheckpointError(
+            f"run {run_dir or ''} was trained with a custom model_fn (Python API): evaluate or sample it from "
+            "Python with ray_diloco.evaluate.evaluate_run(run_dir, model_fn=...) / generate(..., model_fn=...)"
+        )
     cfg = load_config(state["config"], validate=False)
     params = state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
     return model_with_params(cfg, params, vocab_size, model_fn)
 
 
-def evaluate_run(run_dir: str | Path, step: int | None = None) -> tuple[float, int, Path]:
+def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, corpus=None) -> tuple[float, int, Path]:
     """Validation loss (nats/token, whole validation split) of a run's checkpoint.
 
+    ``model_fn`` and ``corpus`` are needed for runs trained with them from Python.
     Returns ``(loss, outer_step, checkpoint_path)``.
 
     Raises:
-        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint.
+        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint;
+            a model or corpus that differs from the one the run was trained with.
     """
     run_dir = Path(run_dir)
     if step is None:
@@ -50,36 +62,49 @@ def evaluate_run(run_dir: str | Path, step: int | None = None) -> tuple[float, i
         path = found[step]
     state = load_checkpoint(path)
     cfg = load_config(state["config"], validate=False)
-    corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
-    model = model_from_checkpoint(state, corpus.vocab_size)
+    if corpus is None:
+        corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
+    if state.get("corpus_fingerprint") not in (None, corpus.fingerprint):
+        raise CheckpointError(f"run {run_dir}: its corpus differs from {cfg.data.path or 'the bundled corpus'} "
+                              "(trained on a corpus passed from Python? pass corpus=...)")
+    model = model_from_checkpoint(state, corpus.vocab_size, model_fn, run_dir)
     n = val_windows(corpus.val, cfg.data.seq_len)
     total, count = evaluate_loss(model, corpus.val, cfg.data.seq_len, np.arange(n), cfg.run.eval_batch)
     return total / count, step, path
 
 
 def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 50, seed: int = 0) -> str:
-    """Sample a continuation of ``prompt`` from the run's export (``final/``) or newest checkpoint."""
+             top_k: int = 50, seed: int = 0, model_fn=None) -> str:
+    """Sample a continuation of ``prompt`` from the run's export (``final/``) or newest checkpoint.
+
+    Raises:
+        CheckpointError: as :func:`evaluate_run`.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     run_dir = Path(run_dir)
     tok = _tokenizer(run_dir)
     final = run_dir / "final"
-    if (final / "config.json").is_file():
+    if (final / "config.json").is_file() and model_fn is None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(final))
     else:
         _, path = latest_checkpoint(run_dir)
-        model = model_from_checkpoint(load_checkpoint(path), len(tok))
+        model = model_from_checkpoint(load_checkpoint(path), len(tok), model_fn, run_dir)
     model.eval()
     ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     if ids.numel() == 0:
         ids = torch.zeros((1, 1), dtype=torch.long)
-    context = getattr(model.config, "max_position_embeddings", 10**9)
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None) or load_config(
+        load_checkpoint(latest_checkpoint(run_dir)[1])["config"], validate=False).data.seq_len
     torch.manual_seed(seed)
     out = ids
     with torch.no_grad():  # a plain sampling loop: the context window slides, as in nanoGPT
         for _ in range(max_new_tokens):
-            logits = model(out[:, -context:]).logits[:, -1, :] / temperature
+            logits = logits_of(model(out[:, -context:]))[:, -1, :] / temperature
             if top_k > 0:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

@@ -11,17 +11,34 @@ import numpy as np
 import torch
 
 from .config import Config
+from .errors import CheckpointError
 from .fragments import param_specs, plan_fragments, unflatten_into
 from .model import ModelFn
 
 
+def check_sizes(fragments: list, params: list[np.ndarray]) -> None:
+    """Raise :class:`CheckpointError` when saved fragments do not fit the model's fragments."""
+    have = [int(np.asarray(p).size) for p in params]
+    want = [f.numel for f in fragments]
+    if have != want:
+        raise CheckpointError(
+            f"checkpoint holds {sum(have):,} parameters in {len(have)} fragment(s) but the model has "
+            f"{sum(want):,} in {len(want)}: the model config (or model_fn) differs from the one it was trained with"
+        )
+
+
 def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
                       model_fn: ModelFn | None = None) -> torch.nn.Module:
-    """A fresh model (fp32, CPU) holding ``params``: one fp32 array ``[numel_p]`` per fragment."""
+    """A fresh model (fp32, CPU) holding ``params``: one fp32 array ``[numel_p]`` per fragment.
+
+    Raises:
+        CheckpointError: if the sizes do not match the model built from ``cfg`` / ``model_fn``.
+    """
     from .replica import build_model
 
     model = build_model(cfg, vocab_size, model_fn)
     frags = plan_fragments(param_specs(model), len(params))
+    check_sizes(frags, params)
     named = dict(model.named_parameters())
     for f, arr in zip(frags, params):
         unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))

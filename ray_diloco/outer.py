@@ -131,7 +131,7 @@ class OuterOptimizer:
             raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {len(self.params)}")
         for i, g in enumerate(state["global"]):
             with torch.no_grad():
-                self.params[i].copy_(torch.from_numpy(np.asarray(g, dtype=np.float32)))
+                self.params[i].copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
             self.opts[i].load_state_dict(state["optimizers"][i])
             self._published[i] = None
         self.steps = list(state["steps"])

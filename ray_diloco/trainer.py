@@ -29,7 +29,8 @@ from .cluster import Replica, all_workers, check_resources, error_cause, init_ra
 from .config import Config, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, val_windows
 from .errors import CheckpointError, ClusterError, ConfigError
-from .export import export_model
+from .export import check_sizes, export_model
+from .fragments import plan_fragments
 from .model import ModelFn
 from .schedules import is_due, outer_step_bounds
 from .tracking import Tracker, write_summary
@@ -138,6 +139,9 @@ class Trainer:
               f"H={c.diloco.H}, {c.run.steps} inner steps ({c.num_outer_steps} outer), global batch "
               f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
         rs = self.resume_state
+        if rs is not None:
+            saved = rs["outer"]["global"] if rs.get("outer") else rs["workers"][(0, 0)]["local"]
+            check_sizes(plan_fragments(specs, self.num_fragments), saved)
         if self.cfg.algorithm == "diloco":
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
@@ -261,6 +265,7 @@ class Trainer:
             "outer_step": st.outer_step,
             "config": self.cfg.to_dict(),
             "corpus_fingerprint": self.corpus.fingerprint,
+            "custom_model": self.model_fn is not None,
             "counters": {"outer_step": st.outer_step, "inner_step": st.inner_step, "tokens": st.tokens,
                          "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
                          "last_eval": st.last_eval, "evals": st.evals},
@@ -323,6 +328,29 @@ class Trainer:
 # entry point
 
 
+#: Fields a resumed run cannot change: they shape the parameters, the shards or the data stream.
+FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "model", "data", "run.seed",
+                   "inner.global_batch")
+
+
+def _check_resumable(cfg: Config, saved: Config) -> None:
+    """Raise :class:`ConfigError` naming each structural field that differs from the checkpoint's."""
+    now, then = cfg.to_dict(), saved.to_dict()
+    problems = []
+    for key in FIXED_ON_RESUME:
+        section, _, name = key.partition(".")
+        a, b = now[section], then[section]
+        if name:
+            a, b = a[name], b[name]
+        if isinstance(a, dict):
+            problems += [f"{section}.{k} = {a[k]!r}: the checkpoint was trained with {b[k]!r}; it cannot change "
+                         "on resume" for k in a if a[k] != b.get(k) and k != "cpus_per_worker"]
+        elif a != b:
+            problems.append(f"{key} = {a!r}: the checkpoint was trained with {b!r}; it cannot change on resume")
+    if problems:
+        raise ConfigError(problems)
+
+
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
             address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
     """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
@@ -337,6 +365,7 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         cfg = load_config(run_dir / "config.yaml", overrides)
         _, ckpt_path = latest_checkpoint(run_dir)
         state = load_checkpoint(ckpt_path)
+        _check_resumable(cfg, load_config(state["config"], validate=False))
     else:
         cfg = load_config(config, overrides)
         run_dir, state = _run_dir_for(cfg), None

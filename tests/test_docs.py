@@ -33,3 +33,12 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd.split("&& pip install torch", 1)[1] in ci.replace("pip install -q", "pip install")
     assert "torch==2.13.0" in train_cmd
+
+
+def test_readme_has_no_unfilled_placeholders_and_names_every_preset():
+    from ray_diloco.config import PRESET_DIR
+
+    readme = (ROOT / "README.md").read_text()
+    assert not re.findall(r"\b(?:MEASURED_RESULTS|BENCHMARKS|CONFIG_REFERENCE|TODO|TBD)\b", readme)
+    for preset in PRESET_DIR.glob("*.yaml"):
+        assert f"`{preset.stem}`" in readme, preset.stem

@@ -189,3 +189,34 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
         assert np.isfinite(t.evaluate())
     finally:
         t.shutdown()
+
+
+def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp_path, corpus):
+    from ray_diloco.errors import CheckpointError, DataError
+    from ray_diloco.evaluate import evaluate_run, generate
+
+    cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="odd"))
+    summary = train(cfg, model_fn=odd_model_fn, corpus=corpus)
+    run_dir = tmp_path / "runs" / "odd"
+    assert (run_dir / "final" / "model.pt").is_file()
+    with pytest.raises(CheckpointError, match="custom model_fn"):
+        evaluate_run(run_dir, corpus=corpus)
+    with pytest.raises((CheckpointError, DataError), match="corpus"):
+        evaluate_run(run_dir, model_fn=odd_model_fn)  # the config's corpus is not the one trained on
+    loss, step, _ = evaluate_run(run_dir, model_fn=odd_model_fn, corpus=corpus)
+    assert step == 2 and loss == pytest.approx(summary["final_eval_loss"], abs=1e-5)
+    assert len(generate(run_dir, "ROMEO:", 10, model_fn=odd_model_fn)) >= 10
+
+
+def test_resume_refuses_structural_changes(tmp_path):
+    from ray_diloco.errors import CheckpointError, ConfigError
+    from ray_diloco.export import model_with_params
+    from ray_diloco.trainer import _check_resumable
+
+    saved = load_config(tiny_overrides(tmp_path))
+    _check_resumable(load_config(tiny_overrides(tmp_path, run__steps=99, outer__lr=0.5)), saved)  # allowed
+    with pytest.raises(ConfigError) as e:
+        _check_resumable(load_config(tiny_overrides(tmp_path, diloco__replicas=1, model__d_model=64)), saved)
+    assert len(e.value.problems) == 2 and any("diloco.replicas = 1" in p for p in e.value.problems)
+    with pytest.raises(CheckpointError, match="parameters"):
+        model_with_params(saved, [np.zeros(10, np.float32)], 50)
