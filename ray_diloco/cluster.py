@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,20 @@ def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
+    """Fail fast on a ``host:port`` GCS address nothing listens on (``ray.init`` would retry forever)."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"run.address = {address!r}: expected 'auto', HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ClusterError(f"run.address = {address!r}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+                           "start one with `ray start --head` or use --address auto") from None
+
+
 def init_ray(cfg: Config) -> bool:
     """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it.
 
@@ -57,6 +72,7 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
+    _check_reachable(address)
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
                  include_dashboard=False if address is None else None)

@@ -163,3 +163,10 @@ def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path, small_text):
     resumed = run_cli(["train", "--resume", str(run_dir)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 300
+
+
+def test_unreachable_ray_address_fails_fast(tmp_path):
+    t = time.time()
+    proc = run_cli(["train", "--address", "127.0.0.1:1", "--set", f"run.output_dir={tmp_path}"], timeout=120)
+    _one_error_line(proc, "run.address", "127.0.0.1:1")
+    assert time.time() - t < 60 and not any(tmp_path.iterdir())
