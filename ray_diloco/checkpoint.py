@@ -23,6 +23,7 @@ from .errors import CheckpointError
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
+REQUIRED_KEYS = ("format", "outer_step", "config", "counters", "outer", "workers", "corpus_fingerprint")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -55,19 +56,28 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``outer_step``; prune to the last ``keep``."""
+    """Write ``state`` atomically as the checkpoint of ``outer_step``; prune to the last ``keep``.
+
+    Raises:
+        CheckpointError: when it cannot be written (the temporary directory is removed, older
+            checkpoints are untouched).
+    """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{outer_step:06d}"
     tmp = root / f".tmp-step_{outer_step:06d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    with open(tmp / STATE_FILE, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+    except (OSError, RuntimeError) as e:  # disk full, permissions: the older checkpoints stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint {final}: cannot be written ({str(e).splitlines()[0][:200]})") from None
     if final.exists():  # re-saving the same step (after a resume): replace it whole
         old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
         os.rename(final, old)
@@ -95,8 +105,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         state = torch.load(f, map_location="cpu", weights_only=False)
     except Exception as e:
         raise CheckpointError(f"checkpoint {f}: corrupt or unreadable ({type(e).__name__})") from None
-    if not isinstance(state, dict) or "outer_step" not in state or "config" not in state:
+    if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {f}: not a ray-diloco checkpoint")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {f}: not a complete ray-diloco checkpoint (missing {', '.join(missing)})")
     return state
 
 

@@ -7,6 +7,7 @@ exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -68,8 +69,10 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     if a.max_new_tokens < 1:
         raise RayDilocoError(f"--max-new-tokens = {a.max_new_tokens}: must be >= 1")
-    if a.temperature <= 0:
-        raise RayDilocoError(f"--temperature = {a.temperature}: must be > 0")
+    if not (a.temperature > 0 and math.isfinite(a.temperature)):
+        raise RayDilocoError(f"--temperature = {a.temperature}: must be a finite number > 0")
+    if a.top_k < 0:
+        raise RayDilocoError(f"--top-k = {a.top_k}: must be >= 0 (0: no top-k filter)")
     print(generate(a.run_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed))
     return 0
 
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # disk full, permissions, a path that is not what it should be
+        print(f"error: {e.filename or ''}: {e.strerror or e}".replace("error: : ", "error: "), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -292,9 +292,11 @@ def load_config(
         elif config is not None:
             path = resolve_config_path(str(config))
             try:
-                data = yaml.safe_load(path.read_text()) or {}
+                data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
             except yaml.YAMLError as e:
                 raise ConfigError([f"--config {path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError([f"--config {path}: cannot read it as UTF-8 text ({type(e).__name__})"]) from None
             if not isinstance(data, dict):
                 raise ConfigError([f"--config {path}: expected a mapping of config sections"])
         errors: list[str] = []

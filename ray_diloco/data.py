@@ -107,6 +107,10 @@ def load_texts(cfg: DataConfig) -> list[str]:
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         src = str(path) if path is not None else cfg.dataset
         raise DataError(f"data: cannot load {src!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    for i, t in enumerate(texts):
+        if t is not None and not isinstance(t, str):
+            raise DataError(f"data.text_field = {cfg.text_field!r}: values must be strings, "
+                            f"document {i} holds {type(t).__name__} {str(t)[:40]!r}")
     texts = [t for t in texts if t]
     if not texts:
         raise DataError(f"data: no text found in {str(path) if path is not None else cfg.dataset!r}")

@@ -13,7 +13,7 @@ import torch
 from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import load_config
 from .data import load_corpus, load_saved_tokenizer, val_windows
-from .errors import CheckpointError
+from .errors import CheckpointError, RayDilocoError
 from .export import model_with_params
 from .model import logits_of
 from .replica import evaluate_loss
@@ -89,12 +89,22 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
     if (final / "config.json").is_file() and model_fn is None:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(final))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(final))
+        except Exception as e:
+            raise CheckpointError(f"exported model {final}: cannot be loaded ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]})") from None
     else:
         _, path = latest_checkpoint(run_dir)
         model = model_from_checkpoint(load_checkpoint(path), len(tok), model_fn, run_dir)
     model.eval()
-    ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    try:
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    except Exception:
+        known = set(tok.get_vocab())
+        unknown = sorted({c for c in prompt if c not in known})
+        raise RayDilocoError(f"--prompt {prompt[:40]!r}: the run's tokenizer cannot encode it "
+                             f"(unknown characters: {''.join(unknown)[:40]!r})") from None
     if ids.numel() == 0:
         ids = torch.zeros((1, 1), dtype=torch.long)
     config = getattr(model, "config", None)

@@ -61,7 +61,13 @@ def _run_dir_for(cfg: Config) -> Path:
     """
     if cfg.run.name is None:  # fixed once, so checking and creating name the same directory
         cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}"
-    run_dir = Path(cfg.run.output_dir).expanduser() / cfg.run.name
+    out = Path(cfg.run.output_dir).expanduser()
+    blocker = next((p for p in [out, *out.parents] if p.exists()), None)
+    if blocker is not None and (not blocker.is_dir() or not os.access(blocker, os.W_OK | os.X_OK)):
+        raise ConfigError([f"run.output_dir = {cfg.run.output_dir!r}: {blocker} is not a writable directory"])
+    run_dir = out / cfg.run.name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"run.name = {cfg.run.name!r}: {run_dir} exists and is not a directory"])
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
                            f"(resume it with --resume {run_dir}, or choose another run.name)"])

@@ -170,3 +170,23 @@ def test_unreachable_ray_address_fails_fast(tmp_path):
     proc = run_cli(["train", "--address", "127.0.0.1:1", "--set", f"run.output_dir={tmp_path}"], timeout=120)
     _one_error_line(proc, "run.address", "127.0.0.1:1")
     assert time.time() - t < 60 and not any(tmp_path.iterdir())
+
+
+def test_more_bad_input_found_by_trying_to_break_it(tmp_path):
+    nonutf = tmp_path / "bad.yaml"
+    nonutf.write_bytes(b"\xff\xfe\x00garbage")
+    _one_error_line(run_cli(["config", "--config", str(nonutf)], timeout=120), "bad.yaml", "UTF-8")
+    _one_error_line(run_cli(["train", "--set", "run.output_dir=/etc/hostname"], timeout=120),
+                    "run.output_dir", "not a writable directory")
+    numeric = tmp_path / "numbers.jsonl"
+    numeric.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(100)))
+    _one_error_line(run_cli(["train", "--set", f"data.path={numeric}", "--set", f"run.output_dir={tmp_path / 'o'}"],
+                            timeout=120), "data.text_field", "strings")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    import torch
+
+    torch.save({"outer_step": 1, "config": {}}, run / "checkpoints" / "step_000001" / "state.pt")
+    (run / "tokenizer").mkdir()
+    _one_error_line(run_cli(["eval", str(run)], timeout=120), "not a complete", "workers")
+    _one_error_line(run_cli(["generate", str(run), "--temperature", "nan"], timeout=120), "--temperature", "nan")

@@ -84,3 +84,19 @@ def test_hugging_face_tokenizer_by_local_path(corpus, small_text, tmp_path):
     assert np.array_equal(c.train, corpus.train) and c.vocab_size == corpus.vocab_size
     with pytest.raises(DataError, match="data.tokenizer"):
         load_corpus(DataConfig(path=str(small_text), tokenizer=str(tmp_path / "missing-tok")))
+
+
+def test_failed_checkpoint_write_leaves_older_checkpoints_intact(tmp_path):
+    import threading
+
+    from ray_diloco.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from ray_diloco.errors import CheckpointError
+
+    good = {"format": 1, "outer_step": 1, "config": {}, "counters": {}, "outer": None, "workers": {},
+            "corpus_fingerprint": "x"}
+    save_checkpoint(tmp_path, 1, good, keep=3)
+    with pytest.raises(CheckpointError, match="cannot be written"):
+        save_checkpoint(tmp_path, 2, {**good, "outer_step": 2, "lock": threading.Lock()}, keep=3)  # unpicklable
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]  # no temporary left
+    assert load_checkpoint(list_checkpoints(tmp_path)[0][1])["outer_step"] == 1
