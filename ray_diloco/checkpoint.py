@@ -75,7 +75,7 @@ def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep:
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-    except (OSError, RuntimeError) as e:  # disk full, permissions: the older checkpoints stay as they were
+    except Exception as e:  # disk full, permissions, unpicklable state: older checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint {final}: cannot be written ({str(e).splitlines()[0][:200]})") from None
     if final.exists():  # re-saving the same step (after a resume): replace it whole
