@@ -400,11 +400,15 @@ def validate_config(cfg: Config) -> None:
         shape = resolve_model_shape(m, vocab_size=1)
         if shape["d_model"] % shape["n_heads"]:
             e.append(f"model.d_model = {shape['d_model']}: must be divisible by model.n_heads = {shape['n_heads']}")
+        elif (shape["d_model"] // shape["n_heads"]) % 2:
+            e.append(f"model.d_model = {shape['d_model']}: d_model / n_heads = {shape['d_model'] // shape['n_heads']} "
+                     "must be even (RoPE rotates pairs of dimensions)")
         if dc.seq_len > shape["context"]:
             e.append(f"data.seq_len = {dc.seq_len}: must be <= model.context = {shape['context']}")
 
     r = cfg.run
     need(r.steps >= 1, "run.steps", r.steps, "must be an integer >= 1")
+    need(0 <= r.seed < 2**32, "run.seed", r.seed, "must be an integer in [0, 2**32)")
     need(r.eval_every >= 0, "run.eval_every", r.eval_every, "must be >= 0 outer steps (0: only at the end)")
     need(r.eval_batch >= 1, "run.eval_batch", r.eval_batch, "must be an integer >= 1")
     need(r.checkpoint_every >= 0, "run.checkpoint_every", r.checkpoint_every, "must be >= 0 outer steps (0: only at the end)")

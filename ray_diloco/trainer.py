@@ -27,8 +27,8 @@ import numpy as np
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
 from .config import Config, load_config
-from .data import Corpus, load_corpus, load_saved_tokenizer, val_windows
-from .errors import CheckpointError, ClusterError, ConfigError
+from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
+from .errors import CheckpointError, ClusterError, ConfigError, DataError
 from .export import check_sizes, export_model
 from .fragments import plan_fragments
 from .model import ModelFn
@@ -402,6 +402,11 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     if corpus is None:
         tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         corpus = load_corpus(cfg.data, tokenizer=tokenizer)
+    per_shard = num_train_windows(len(corpus.train), cfg.data.seq_len) // cfg.num_shards
+    if per_shard < cfg.batch_per_worker:
+        raise DataError(f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
+                        f"tokens per shard, fewer than one batch of {cfg.batch_per_worker} "
+                        f"(inner.global_batch / (diloco.replicas x diloco.workers_per_replica)); use more text")
     if rs is not None and rs.get("corpus_fingerprint") != corpus.fingerprint:
         raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
     started_ray = init_ray(cfg)

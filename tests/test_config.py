@@ -57,6 +57,7 @@ def test_yaml_file_then_overrides(tmp_path):
     ("diloco.H=abc", "diloco.H"),
     ("diloco.H=2.5", "diloco.H"),
     ("diloco.bogus=1", "diloco.bogus"),
+    ("run.seed=-1", "run.seed"),
 ])
 def test_invalid_field_gives_one_line_naming_it(override, field):
     with pytest.raises(ConfigError) as e:
@@ -86,3 +87,9 @@ def test_bad_set_syntax_and_missing_file():
     with pytest.raises(ConfigError) as e:
         load_config("/nope/missing.yaml")
     assert "not found" in e.value.lines()[0]
+
+
+def test_head_dim_must_be_even_for_rope():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.d_model=60", "model.n_heads=4"])
+    assert "d_model / n_heads = 15" in e.value.lines()[0]
