@@ -4,7 +4,8 @@ Layout: ``RUN_DIR/checkpoints/step_{outer:06d}/state.pt``. A checkpoint is writt
 temporary directory next to its final place, flushed to disk, then renamed (atomic on POSIX),
 so a killed process leaves either the whole checkpoint or none. The last ``keep`` are kept.
 
-``state.pt`` (``torch.save``) holds: config, outer state (global parameters and optimiser
+``state.pt`` (``torch.save``, numpy arrays stored as tensors, loaded with ``weights_only=True``)
+holds: config, outer state (global parameters and optimiser
 buffers per fragment), every worker's inner-optimiser state, local parameters, data position
 and RNG, step and token counters, and the corpus fingerprint.
 """
@@ -17,6 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import CheckpointError
@@ -42,6 +44,19 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir():
             out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def _tensors_only(obj: Any) -> Any:
+    """Numpy arrays become torch tensors (recursively), so the file loads with ``weights_only``."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: _tensors_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors_only(v) for v in obj)
+    return obj
 
 
 def _fsync_dir(path: Path) -> None:
@@ -71,13 +86,15 @@ def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep:
     try:
         tmp.mkdir()
         with open(tmp / STATE_FILE, "wb") as f:
-            torch.save(state, f)
+            torch.save(_tensors_only(state), f)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
     except Exception as e:  # disk full, permissions, unpicklable state: older checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"checkpoint {final}: cannot be written ({str(e).splitlines()[0][:200]})") from None
+        free_mb = shutil.disk_usage(root).free / 2**20
+        raise CheckpointError(f"checkpoint {final}: cannot be written ({str(e).splitlines()[0][:160]}; "
+                              f"{free_mb:,.0f} MiB free on that disk)") from None
     if final.exists():  # re-saving the same step (after a resume): replace it whole
         old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
         os.rename(final, old)
@@ -91,6 +108,38 @@ def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep:
     return final
 
 
+def lock_run_dir(run_dir: Path):
+    """Take the run directory's exclusive lock (``RUN_DIR/.lock``) for this process's lifetime.
+
+    Returns the open lock file (keep it open; closing it releases the lock).
+
+    Raises:
+        CheckpointError: when another process holds it (a run or a resume already uses the directory).
+    """
+    import fcntl
+
+    f = open(Path(run_dir) / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise CheckpointError(f"run directory {run_dir}: in use by another ray-diloco process") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Delete temporary checkpoint directories a killed process left (call with the run lock held)."""
+    root = checkpoint_dir(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-step_", ".old-step_")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load one checkpoint directory (or its ``state.pt``).
 
@@ -101,8 +150,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     f = path / STATE_FILE if path.is_dir() else path
     if not f.is_file():
         raise CheckpointError(f"checkpoint {f}: file not found")
-    try:
-        state = torch.load(f, map_location="cpu", weights_only=False)
+    try:  # weights_only: a checkpoint is data; loading one must never run code from its pickle
+        state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {f}: corrupt or unreadable ({type(e).__name__})") from None
     if not isinstance(state, dict):

@@ -13,6 +13,7 @@ Every problem found is reported as one line naming the field, the value and what
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -358,10 +359,10 @@ def validate_config(cfg: Config) -> None:
     need(d.placement_timeout_s > 0, "diloco.placement_timeout_s", d.placement_timeout_s, "must be > 0 seconds")
 
     i = cfg.inner
-    need(i.lr > 0, "inner.lr", i.lr, "must be > 0")
+    need(i.lr > 0 and math.isfinite(i.lr), "inner.lr", i.lr, "must be a finite number > 0")
     need(0 <= i.beta1 < 1, "inner.beta1", i.beta1, "must be in [0, 1)")
     need(0 <= i.beta2 < 1, "inner.beta2", i.beta2, "must be in [0, 1)")
-    need(i.eps > 0, "inner.eps", i.eps, "must be > 0")
+    need(i.eps > 0 and math.isfinite(i.eps), "inner.eps", i.eps, "must be a finite number > 0")
     need(i.weight_decay >= 0, "inner.weight_decay", i.weight_decay, "must be >= 0")
     need(i.warmup_steps >= 0, "inner.warmup_steps", i.warmup_steps, "must be >= 0")
     need(0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio", i.min_lr_ratio, "must be in [0, 1]")
@@ -375,7 +376,7 @@ def validate_config(cfg: Config) -> None:
 
     o = cfg.outer
     need(o.name in OUTER_OPTIMIZERS, "outer.name", o.name, f"must be one of {', '.join(OUTER_OPTIMIZERS)}")
-    need(o.lr > 0, "outer.lr", o.lr, "must be > 0")
+    need(o.lr > 0 and math.isfinite(o.lr), "outer.lr", o.lr, "must be a finite number > 0")
     need(0 <= o.momentum < 1, "outer.momentum", o.momentum, "must be in [0, 1)")
     need(0 <= o.adam_beta2 < 1, "outer.adam_beta2", o.adam_beta2, "must be in [0, 1)")
     need(o.adam_eps > 0, "outer.adam_eps", o.adam_eps, "must be > 0")
@@ -396,6 +397,8 @@ def validate_config(cfg: Config) -> None:
     need(dc.max_documents is None or dc.max_documents >= 1, "data.max_documents", dc.max_documents, "must be >= 1")
     if dc.path is not None and not Path(dc.path).expanduser().exists():
         e.append(f"data.path = {dc.path!r}: file not found")
+    elif dc.path is not None and not Path(dc.path).expanduser().is_file():
+        e.append(f"data.path = {dc.path!r}: not a file")
     if m.preset in PRESETS and not e:
         shape = resolve_model_shape(m, vocab_size=1)
         if shape["d_model"] % shape["n_heads"]:
@@ -412,6 +415,8 @@ def validate_config(cfg: Config) -> None:
     need(r.eval_every >= 0, "run.eval_every", r.eval_every, "must be >= 0 outer steps (0: only at the end)")
     need(r.eval_batch >= 1, "run.eval_batch", r.eval_batch, "must be an integer >= 1")
     need(r.checkpoint_every >= 0, "run.checkpoint_every", r.checkpoint_every, "must be >= 0 outer steps (0: only at the end)")
+    need(r.name is None or (r.name not in ("", ".", "..") and "/" not in r.name and "\\" not in r.name),
+         "run.name", r.name, "must be a plain directory name (no path separators)")
     need(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be an integer >= 1")
     need(r.precision in PRECISIONS, "run.precision", r.precision, f"must be one of {', '.join(PRECISIONS)}")
     t = cfg.tracking

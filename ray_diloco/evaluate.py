@@ -20,6 +20,8 @@ from .replica import evaluate_loss
 
 
 def _tokenizer(run_dir: Path):
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir}: not found")
     tok_dir = run_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file() and not (tok_dir / "tokenizer_config.json").is_file():
         raise CheckpointError(f"run directory {run_dir}: no tokenizer in {tok_dir}")

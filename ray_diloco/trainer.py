@@ -13,9 +13,13 @@ and schedule: one DDP group over all M x W workers and no outer step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, lock_run_dir, remove_partial_checkpoints, save_checkpoint
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
 from .config import Config, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
@@ -60,7 +64,7 @@ def _run_dir_for(cfg: Config) -> Path:
         ConfigError: if it exists and is not empty (an existing run is never overwritten).
     """
     if cfg.run.name is None:  # fixed once, so checking and creating name the same directory
-        cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}"
+        cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}-{secrets.token_hex(2)}"
     out = Path(cfg.run.output_dir).expanduser()
     blocker = next((p for p in [out, *out.parents] if p.exists()), None)
     if blocker is not None and (not blocker.is_dir() or not os.access(blocker, os.W_OK | os.X_OK)):
@@ -335,8 +339,8 @@ class Trainer:
 
 
 #: Fields a resumed run cannot change: they shape the parameters, the shards or the data stream.
-FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "model", "data", "run.seed",
-                   "inner.global_batch")
+FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "diloco.H", "model", "data",
+                   "run.seed", "inner.global_batch")
 
 
 def _check_resumable(cfg: Config, saved: Config) -> None:
@@ -357,6 +361,22 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
         raise ConfigError(problems)
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ignore SIGINT/SIGTERM inside the block (main thread only), then restore the handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
             address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
     """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
@@ -365,6 +385,9 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         ConfigError, CheckpointError: before anything is started or written.
     """
     if resume is not None:
+        if config is not None:
+            raise ConfigError([f"--config {config}: cannot be combined with --resume (the run's config.yaml is "
+                               "used; change fields such as run.steps with --set)"])
         run_dir = Path(resume).expanduser()
         if not (run_dir / "config.yaml").is_file():
             raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
@@ -402,6 +425,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     if corpus is None:
         tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         corpus = load_corpus(cfg.data, tokenizer=tokenizer)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
+        raise ConfigError([f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
+                           f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"])
     per_shard = num_train_windows(len(corpus.train), cfg.data.seq_len) // cfg.num_shards
     if per_shard < cfg.batch_per_worker:
         raise DataError(f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
@@ -411,10 +437,14 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
     started_ray = init_ray(cfg)
     trainer = Trainer(cfg, run_dir, corpus, model_fn, rs)
-    tracker = None
+    tracker = lock = None
     try:
         check_resources(cfg)  # before the run directory is written
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)  # held until this process ends
+        if rs is None and any(p.name != ".lock" for p in run_dir.iterdir()):
+            raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
+        remove_partial_checkpoints(run_dir)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
@@ -456,11 +486,14 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     except ray.exceptions.RayError as e:
         raise ClusterError(f"a replica failed: {error_cause(e)}") from None
     finally:
-        if tracker is not None:
-            tracker.finish({})
-        trainer.shutdown()
-        if started_ray:
-            ray.shutdown()
+        with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            if tracker is not None:
+                tracker.finish({})
+            trainer.shutdown()
+            if started_ray:
+                ray.shutdown()
+            if lock is not None:
+                lock.close()
     print(f"final validation loss of the global model: {final_loss:.4f}")
     print(f"run directory: {run_dir}")
     return summary

@@ -58,6 +58,9 @@ def test_yaml_file_then_overrides(tmp_path):
     ("diloco.H=2.5", "diloco.H"),
     ("diloco.bogus=1", "diloco.bogus"),
     ("run.seed=-1", "run.seed"),
+    ("inner.lr=inf", "inner.lr"),
+    ("run.name=../escape", "run.name"),
+    ("data.path=/tmp", "data.path"),
 ])
 def test_invalid_field_gives_one_line_naming_it(override, field):
     with pytest.raises(ConfigError) as e:

@@ -100,3 +100,48 @@ def test_failed_checkpoint_write_leaves_older_checkpoints_intact(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]  # no temporary left
     assert load_checkpoint(list_checkpoints(tmp_path)[0][1])["outer_step"] == 1
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_a_checkpoint_never_runs_code_from_it(tmp_path):
+    import torch
+
+    from ray_diloco.checkpoint import load_checkpoint
+    from ray_diloco.errors import CheckpointError
+
+    marker = tmp_path / "PWNED"
+    ck = tmp_path / "step_000001"
+    ck.mkdir()
+    torch.save({"outer_step": 1, "config": {}, "payload": _Evil(marker)}, ck / "state.pt")
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        load_checkpoint(ck)
+    assert not marker.exists()
+
+
+def test_run_directory_lock_is_exclusive(tmp_path):
+    from ray_diloco.checkpoint import lock_run_dir
+    from ray_diloco.errors import CheckpointError
+
+    held = lock_run_dir(tmp_path)
+    import subprocess
+    import sys
+
+    code = ("from ray_diloco.checkpoint import lock_run_dir\n"
+            f"lock_run_dir({str(tmp_path)!r})")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert other.returncode != 0 and "in use by another" in other.stderr
+    held.close()
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    with pytest.raises(CheckpointError):  # a second lock in this process conflicts too (flock per open file)
+        second = lock_run_dir(tmp_path)
+        third = lock_run_dir(tmp_path)  # noqa: F841
+        second.close()

@@ -218,5 +218,11 @@ def test_resume_refuses_structural_changes(tmp_path):
     with pytest.raises(ConfigError) as e:
         _check_resumable(load_config(tiny_overrides(tmp_path, diloco__replicas=1, model__d_model=64)), saved)
     assert len(e.value.problems) == 2 and any("diloco.replicas = 1" in p for p in e.value.problems)
+    with pytest.raises(ConfigError, match="diloco.H"):
+        _check_resumable(load_config(tiny_overrides(tmp_path, diloco__H=10)), saved)
     with pytest.raises(CheckpointError, match="parameters"):
         model_with_params(saved, [np.zeros(10, np.float32)], 50)
+    from ray_diloco.trainer import prepare
+
+    with pytest.raises(ConfigError, match="--resume"):
+        prepare("dp", resume=tmp_path)
