@@ -163,7 +163,6 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
                 r.workers.append(Worker.options(
                     num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
-                    name=None,
                 ).remote(cfg.to_dict(), m, rank, world, shard, cfg.num_shards, vocab_size, model_fn))
         masters = ray.get([r.rank0.node_address.remote() for r in replicas])
         train_ref, val_ref = corpus_refs

@@ -157,8 +157,12 @@ def build_tokenizer(cfg: DataConfig, texts: list[str]):
         return char_tokenizer(texts)
     if cfg.tokenizer == "bpe":
         return bpe_tokenizer(texts, cfg.bpe_vocab_size)
+    from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hub_logging.set_verbosity_error()  # one error line instead of the hub client's retry log
+    hf_logging.set_verbosity_error()
     try:
         return AutoTokenizer.from_pretrained(cfg.tokenizer)
     except Exception as e:
