@@ -49,7 +49,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def _tensors_only(obj: Any) -> Any:
     """Numpy arrays become torch tensors (recursively), so the file loads with ``weights_only``."""
     if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
+        return torch.from_numpy(np.array(obj, copy=True))  # object-store arrays are read-only
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
@@ -159,6 +159,12 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {f}: not a complete ray-diloco checkpoint (missing {', '.join(missing)})")
+    # the flat fp32 fragments were numpy arrays when saved: give them back as numpy
+    if state["outer"] is not None:
+        state["outer"]["global"] = [t.numpy() for t in state["outer"]["global"]]
+    for w in state["workers"].values():
+        if "local" in w:
+            w["local"] = [t.numpy() for t in w["local"]]
     return state
 
 
