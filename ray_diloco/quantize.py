@@ -1,0 +1,129 @@
+"""Low-precision encodings of pseudo-gradients for the wire (Streaming DiLoCo, arXiv 2501.18512,
+section 2: each replica's unreduced pseudo-gradient leaves the replica in low precision; the
+reduction and accumulation happen in fp32).
+
+Scaling scheme (the paper does not give one): the flat fp32 vector is cut into blocks of
+``BLOCK`` values; each block is divided by its own scale ``absmax / max_representable`` (fp32,
+4 bytes per block) so its largest value lands on the format's largest finite value. An all-zero
+block gets scale 1. Formats:
+
+============  ==============================================  =====================
+format        values                                          bytes per value
+============  ==============================================  =====================
+``none``      fp32, unscaled                                  4
+``bf16``      bfloat16, unscaled (fp32's exponent range)      2
+``fp8_e4m3``  float8 e4m3fn (max 448), round to nearest even  1 + scales
+``int8``      round(x / scale) in [-127, 127]                 1 + scales
+``fp4_e3m0``  sign + 3-bit exponent, no mantissa: 0 and       0.5 + scales
+              +-2^k for k in -2..4 (max 16), two per byte
+============  ==============================================  =====================
+
+:func:`encode` returns a :class:`Packed` whose ``payload`` is the real bytes sent; :func:`decode`
+gives fp32 back. Non-finite input is rejected (:class:`ValueError`), so a replica's NaN never
+reaches the outer optimiser through a scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 256
+FORMATS = ("none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0")
+_FP8_MAX = 448.0
+_FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
+_FP4_MAX = 16.0
+
+
+@dataclass(frozen=True)
+class Packed:
+    """An encoded fp32 vector: ``payload`` (uint8 bytes on the wire), ``scales`` (fp32 per block,
+    empty for unscaled formats), ``numel`` and ``format``."""
+
+    format: str
+    numel: int
+    payload: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this encoding puts on the wire (payload + scales)."""
+        return int(self.payload.nbytes + self.scales.nbytes)
+
+
+def _blocks(x: np.ndarray) -> tuple[np.ndarray, int]:
+    pad = (-x.size) % BLOCK
+    return np.pad(x, (0, pad)).reshape(-1, BLOCK), pad
+
+
+def _scales(blocks: np.ndarray, max_value: float) -> np.ndarray:
+    absmax = np.abs(blocks).max(axis=1)
+    return np.where(absmax > 0, absmax / max_value, 1.0).astype(np.float32)
+
+
+def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
+    """Encode a float vector (any shape, flattened; fp32 math) in ``fmt``.
+
+    Raises:
+        ValueError: unknown format, or non-finite values in ``x``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    a = (x.detach().cpu().float().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float32)).reshape(-1)
+    if not np.isfinite(a).all():
+        raise ValueError(f"cannot encode a pseudo-gradient with {int((~np.isfinite(a)).sum())} non-finite values")
+    empty = np.zeros(0, np.float32)
+    if fmt == "none":
+        return Packed(fmt, a.size, a.astype(np.float32).view(np.uint8).copy(), empty)
+    if fmt == "bf16":
+        bits = torch.from_numpy(a.copy()).to(torch.bfloat16).view(torch.int16).numpy()
+        return Packed(fmt, a.size, bits.view(np.uint8).copy(), empty)
+    blocks, _ = _blocks(a)
+    if fmt == "int8":
+        s = _scales(blocks, 127.0)
+        q = np.clip(np.rint(blocks / s[:, None]), -127, 127).astype(np.int8)
+        return Packed(fmt, a.size, q.reshape(-1)[: a.size].view(np.uint8).copy(), s)
+    if fmt == "fp8_e4m3":
+        s = _scales(blocks, _FP8_MAX)
+        y = np.clip(blocks / s[:, None], -_FP8_MAX, _FP8_MAX)
+        q = torch.from_numpy(y.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return Packed(fmt, a.size, q.reshape(-1)[: a.size].copy(), s)
+    # fp4_e3m0: round |y| to the nearest of {0, 2^-2, ..., 2^4} (midpoints in linear scale)
+    s = _scales(blocks, _FP4_MAX)
+    y = blocks / s[:, None]
+    mag = np.abs(y)
+    levels = np.concatenate([[0.0], 2.0 ** _FP4_EXP])
+    mids = (levels[:-1] + levels[1:]) / 2
+    code = np.searchsorted(mids, mag, side="right").astype(np.uint8)  # 0..7
+    nib = (code | ((y < 0) & (code > 0)).astype(np.uint8) << 3).reshape(-1)[: a.size]
+    if nib.size % 2:
+        nib = np.append(nib, np.uint8(0))
+    packed = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)
+    return Packed(fmt, a.size, packed, s)
+
+
+def decode(p: Packed) -> np.ndarray:
+    """fp32 vector ``[p.numel]`` from an encoding."""
+    n = p.numel
+    if p.format == "none":
+        return p.payload.view(np.float32)[:n].copy()
+    if p.format == "bf16":
+        return torch.from_numpy(p.payload.view(np.int16).copy()).view(torch.bfloat16).float().numpy()[:n]
+    if p.format == "int8":
+        vals = p.payload.view(np.int8).astype(np.float32)
+    elif p.format == "fp8_e4m3":
+        vals = torch.from_numpy(p.payload.copy()).view(torch.float8_e4m3fn).float().numpy()
+    elif p.format == "fp4_e3m0":
+        nib = np.empty(p.payload.size * 2, np.uint8)
+        nib[0::2], nib[1::2] = p.payload & 0x0F, p.payload >> 4
+        nib = nib[:n]
+        code = nib & 0x07
+        mag = np.where(code > 0, 2.0 ** (code.astype(np.float32) - 3), 0.0).astype(np.float32)
+        vals = np.where(nib & 0x08, -mag, mag)
+    else:
+        raise ValueError(f"quantization format {p.format!r}: must be one of {', '.join(FORMATS)}")
+    pad = (-n) % BLOCK
+    blocks = np.pad(vals, (0, pad)).reshape(-1, BLOCK) * p.scales[:, None]
+    return blocks.reshape(-1)[:n].astype(np.float32)

@@ -1,0 +1,81 @@
+"""Wire encodings of pseudo-gradients: packed sizes and round-trip error bounds on edge tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_diloco.quantize import BLOCK, FORMATS, decode, encode
+
+
+def _block_scale(x: np.ndarray, max_value: float) -> np.ndarray:
+    """Per-element scale of its block (what encode uses), for the error bounds."""
+    flat = x.reshape(-1)
+    pad = (-flat.size) % BLOCK
+    absmax = np.abs(np.pad(flat, (0, pad)).reshape(-1, BLOCK)).max(1)
+    s = np.where(absmax > 0, absmax / max_value, 1.0)
+    return np.repeat(s, BLOCK)[: flat.size]
+
+
+def _bound(fmt: str, x: np.ndarray) -> np.ndarray:
+    a = np.abs(x.reshape(-1)).astype(np.float64)
+    if fmt == "none":
+        return np.zeros_like(a)
+    if fmt == "bf16":
+        return a * 2.0**-8
+    if fmt == "int8":
+        return _block_scale(x, 127.0) / 2 * (1 + 1e-6)
+    if fmt == "fp8_e4m3":
+        return a * 2.0**-4 + _block_scale(x, 448.0) * 2.0**-9
+    return a / 3 + _block_scale(x, 16.0) * 0.125 * (1 + 1e-6)  # fp4_e3m0
+
+
+rng = np.random.default_rng(0)
+CASES = {
+    "scalar": np.array(0.37, np.float32),
+    "1d": rng.standard_normal(1001).astype(np.float32),
+    "3d": rng.standard_normal((3, 5, 7)).astype(np.float32),
+    "zeros": np.zeros(300, np.float32),
+    "constant": np.full(513, -2.5, np.float32),
+    "huge": (rng.standard_normal(700) * 1e30).astype(np.float32),
+    "tiny": (rng.standard_normal(700) * 1e-30).astype(np.float32),
+    "mixed": np.concatenate([rng.standard_normal(256) * 1e3, rng.standard_normal(256) * 1e-3]).astype(np.float32),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_within_bound_and_finite(fmt, case):
+    x = CASES[case]
+    y = decode(encode(x, fmt))
+    assert y.dtype == np.float32 and y.shape == (x.size,)
+    assert np.isfinite(y).all()
+    err = np.abs(y.astype(np.float64) - x.reshape(-1).astype(np.float64))
+    assert (err <= _bound(fmt, x) + 1e-45).all(), (fmt, case, float(err.max()))
+    if case == "zeros":
+        assert (y == 0).all()
+    if case == "constant":
+        assert np.array_equal(y, x.reshape(-1))  # the block max lands exactly on the format's max
+
+
+@pytest.mark.parametrize("fmt, per_value", [("none", 4), ("bf16", 2), ("int8", 1), ("fp8_e4m3", 1), ("fp4_e3m0", 0.5)])
+def test_packed_bytes_on_the_wire(fmt, per_value):
+    n = 1001
+    p = encode(np.ones(n, np.float32), fmt)
+    scales = 0 if fmt in ("none", "bf16") else 4 * -(-n // BLOCK)
+    assert p.nbytes == int(np.ceil(n * per_value)) + scales
+    assert p.payload.dtype == np.uint8
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_input_is_rejected(fmt):
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones(10, np.float32)
+        x[3] = bad
+        with pytest.raises(ValueError, match="non-finite"):
+            encode(x, fmt)
+
+
+def test_unknown_format():
+    with pytest.raises(ValueError, match="must be one of"):
+        encode(np.ones(3, np.float32), "fp2")
