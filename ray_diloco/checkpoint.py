@@ -168,6 +168,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def global_params(state: dict[str, Any]) -> list[np.ndarray]:
+    """A checkpoint's global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
+    return state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path]:
     """The newest complete checkpoint of a run directory.
 

@@ -130,7 +130,7 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
                     model_fn: ModelFn | None) -> list[Replica]:
     """Placement groups and worker actors; process groups formed; data shards opened."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from .replica import ReplicaWorker
@@ -168,9 +168,7 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
         train_ref, val_ref = corpus_refs
         ray.get([w.setup.remote(addr, train_ref, val_ref) for r, addr in zip(replicas, masters) for w in r.workers])
     except BaseException:
-        stop_replicas(replicas)
-        for r in replicas:
-            remove_placement_group(r.placement_group)
+        stop_replicas(replicas)  # kills the actors and removes the placement groups
         raise
     return replicas
 

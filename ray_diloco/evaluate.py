@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from .checkpoint import global_params, latest_checkpoint, list_checkpoints, load_checkpoint
 from .config import load_config
 from .data import load_corpus, load_saved_tokenizer, val_windows
 from .errors import CheckpointError, RayDilocoError
@@ -40,8 +40,7 @@ def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None, run_dir: 
             "Python with ray_diloco.evaluate.evaluate_run(run_dir, model_fn=...) / generate(..., model_fn=...)"
         )
     cfg = load_config(state["config"], validate=False)
-    params = state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
-    return model_with_params(cfg, params, vocab_size, model_fn)
+    return model_with_params(cfg, global_params(state), vocab_size, model_fn)
 
 
 def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, corpus=None) -> tuple[float, int, Path]:
@@ -97,8 +96,8 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
             raise CheckpointError(f"exported model {final}: cannot be loaded ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200]})") from None
     else:
-        _, path = latest_checkpoint(run_dir)
-        model = model_from_checkpoint(load_checkpoint(path), len(tok), model_fn, run_dir)
+        state = load_checkpoint(latest_checkpoint(run_dir)[1])
+        model = model_from_checkpoint(state, len(tok), model_fn, run_dir)
     model.eval()
     try:
         ids = tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -109,9 +108,9 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
                              f"(unknown characters: {''.join(unknown)[:40]!r})") from None
     if ids.numel() == 0:
         ids = torch.zeros((1, 1), dtype=torch.long)
-    config = getattr(model, "config", None)
-    context = getattr(config, "max_position_embeddings", None) or load_config(
-        load_checkpoint(latest_checkpoint(run_dir)[1])["config"], validate=False).data.seq_len
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context is None:  # a custom model_fn: slide a window of the trained sequence length
+        context = load_config(state["config"], validate=False).data.seq_len
     torch.manual_seed(seed)
     out = ids
     with torch.no_grad():  # a plain sampling loop: the context window slides, as in nanoGPT

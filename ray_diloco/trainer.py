@@ -28,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import latest_checkpoint, load_checkpoint, lock_run_dir, remove_partial_checkpoints, save_checkpoint
+from .checkpoint import (
+    global_params,
+    latest_checkpoint,
+    load_checkpoint,
+    lock_run_dir,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
 from .config import Config, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
@@ -150,8 +157,7 @@ class Trainer:
               f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
         rs = self.resume_state
         if rs is not None:
-            saved = rs["outer"]["global"] if rs.get("outer") else rs["workers"][(0, 0)]["local"]
-            check_sizes(plan_fragments(specs, self.num_fragments), saved)
+            check_sizes(plan_fragments(specs, self.num_fragments), global_params(rs))
         if self.cfg.algorithm == "diloco":
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
@@ -204,7 +210,7 @@ class Trainer:
             outs = ray.get(results)
             ray.get([w.load_global.remote(p, out["global"]) for p, out in enumerate(outs) for w in workers])
             sent = sum(out["bytes_received"] for out in outs)
-            received = sum(4 * self.num_params for _ in self.replicas)
+            received = 4 * self.num_params * len(self.replicas)  # each replica reads the fp32 global params
             row["pseudo_grad_norm"] = {f"replica_{m}": v for m, v in enumerate(outs[0]["delta_norms"])} \
                 if self.num_fragments == 1 else None
             row["outer_update_norm"] = float(np.sqrt(sum(out["update_norm"] ** 2 for out in outs)))
