@@ -101,6 +101,33 @@ class DiLoCoConfig:
 
 
 @dataclass
+class StreamingConfig:
+    """Streaming DiLoCo (arXiv 2501.18512, section 2): fragments, overlap, quantised exchange.
+
+    ``fragments: 1`` is plain DiLoCo (one fragment holding every parameter). With P >= 2 the
+    transformer blocks are split into P fragments (``pattern``), and the embeddings and the
+    final norm + LM head sync as two more small fragments, so a run has P + 2 fragments whose
+    sync offsets are spread evenly over H.
+    """
+
+    fragments: int = 1  # P: fragments of transformer blocks (1: plain DiLoCo)
+    layers_per_fragment: int | None = None  # instead of fragments: P = ceil(layers / this) (3 in the paper)
+    pattern: str = "strided"  # "strided" (blocks p, p+P, ...) or "sequential" (consecutive blocks)
+    overlap_steps: int = 0  # tau: inner steps between sending a fragment and merging its new global value
+    alpha: float = 0.0  # merge: theta <- alpha * theta_local + (1 - alpha) * new_global
+    quantization: str = "none"  # wire format of pseudo-gradients and outer updates: none, bf16, fp8_e4m3, int8, fp4_e3m0
+    error_feedback: bool = False  # add each round's quantisation residual to the next round's value (both directions)
+
+
+@dataclass
+class NetworkConfig:
+    """WAN emulation on every replica-to-driver link (and DP's all-reduce), for experiments."""
+
+    bandwidth_gbps: float | None = None  # Gbit/s per link; None: no bandwidth delay
+    latency_ms: float = 0.0  # one-way latency added to every message
+
+
+@dataclass
 class RunConfig:
     """Length, cadence and outputs of a run."""
 
@@ -115,6 +142,7 @@ class RunConfig:
     deterministic: bool = False  # torch deterministic algorithms: bitwise-reproducible resume
     precision: str = "fp32"  # "fp32" or "bf16" (autocast; outer state stays fp32)
     log_hashes: bool = False  # log sha256 of global parameters/outer state/data read per outer step
+    trace_syncs: bool = False  # workers keep every sync's fp32 tensors for inspection (tests, debugging)
     address: str | None = None  # Ray address; None: start (or join, under `ray job submit`) a cluster
 
 
@@ -142,6 +170,8 @@ class Config:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     run: RunConfig = field(default_factory=RunConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -155,6 +185,17 @@ class Config:
     def batch_per_worker(self) -> int:
         """Sequences per inner step on one worker (global batch split across M x workers)."""
         return self.inner.global_batch // self.num_shards
+
+    @property
+    def block_fragments(self) -> int:
+        """P, the number of fragments of transformer blocks (``layers_per_fragment`` wins when set)."""
+        s = self.streaming
+        if s.layers_per_fragment is not None and s.layers_per_fragment >= 1:
+            from .model import PRESETS, resolve_model_shape
+
+            if self.model.preset in PRESETS:
+                return -(-resolve_model_shape(self.model, 1)["n_layers"] // s.layers_per_fragment)
+        return s.fragments
 
     @property
     def num_outer_steps(self) -> int:
@@ -332,6 +373,21 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 PRECISIONS = ("fp32", "bf16")
 FAMILIES = ("llama", "qwen3")
 TRACKING_MODES = ("auto", "online", "offline", "disabled")
+PATTERNS = ("strided", "sequential")
+
+
+def num_fragments(block_fragments: int, extra: int = 2) -> int:
+    """Fragments exchanged in a run: 1 for plain DiLoCo, else P block fragments + ``extra``
+    (embeddings, final norm + LM head)."""
+    return 1 if block_fragments == 1 else block_fragments + extra
+
+
+def check_overlap(H: int, fragments: int, tau: int, errors: list[str]) -> None:
+    """Streaming DiLoCo requires tau < H / fragments, so a fragment's merge lands before the next
+    fragment syncs; appends one line to ``errors`` when it does not hold."""
+    if H >= 1 and tau >= 1 and tau * fragments >= H:
+        errors.append(f"streaming.overlap_steps = {tau}: must be < diloco.H / fragments = {H} / {fragments} "
+                      f"= {H / fragments:g} (each fragment's merge must land before the next one syncs)")
 
 
 def validate_config(cfg: Config) -> None:
@@ -408,6 +464,32 @@ def validate_config(cfg: Config) -> None:
                      "must be even (RoPE rotates pairs of dimensions)")
         if dc.seq_len > shape["context"]:
             e.append(f"data.seq_len = {dc.seq_len}: must be <= model.context = {shape['context']}")
+
+    st = cfg.streaming
+    from .quantize import FORMATS
+
+    need(st.fragments >= 1, "streaming.fragments", st.fragments, "must be an integer >= 1 (1: plain DiLoCo)")
+    need(st.layers_per_fragment is None or st.layers_per_fragment >= 1, "streaming.layers_per_fragment",
+         st.layers_per_fragment, "must be an integer >= 1 (or none)")
+    if st.layers_per_fragment is not None and st.fragments != 1:
+        e.append(f"streaming.layers_per_fragment = {st.layers_per_fragment}: set either it or streaming.fragments "
+                 f"(= {st.fragments}), not both")
+    need(st.pattern in PATTERNS, "streaming.pattern", st.pattern, f"must be one of {', '.join(PATTERNS)}")
+    need(st.overlap_steps >= 0, "streaming.overlap_steps", st.overlap_steps, "must be an integer >= 0")
+    need(0 <= st.alpha <= 1, "streaming.alpha", st.alpha, "must be in [0, 1]")
+    need(st.quantization in FORMATS, "streaming.quantization", st.quantization, f"must be one of {', '.join(FORMATS)}")
+    if m.preset in PRESETS and not e:
+        layers = resolve_model_shape(m, vocab_size=1)["n_layers"]
+        P = cfg.block_fragments
+        if P > layers:
+            e.append(f"streaming.fragments = {P}: must be <= model.n_layers = {layers} (a fragment holds whole blocks)")
+        else:
+            check_overlap(cfg.diloco.H, num_fragments(P), st.overlap_steps, e)
+    n = cfg.network
+    need(n.bandwidth_gbps is None or (n.bandwidth_gbps > 0 and math.isfinite(n.bandwidth_gbps)),
+         "network.bandwidth_gbps", n.bandwidth_gbps, "must be a finite number > 0 Gbit/s (or none: no emulation)")
+    need(n.latency_ms >= 0 and math.isfinite(n.latency_ms), "network.latency_ms", n.latency_ms,
+         "must be a finite number >= 0 milliseconds")
 
     r = cfg.run
     need(r.steps >= 1, "run.steps", r.steps, "must be an integer >= 1")

@@ -9,6 +9,7 @@ outer-optimiser actor agree on it after any restart.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,16 +57,53 @@ def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
     return [ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def plan_fragments(specs: list[ParamSpec], num_fragments: int = 1) -> list[Fragment]:
-    """Split ``specs`` into ``num_fragments`` contiguous groups (1: plain DiLoCo, all parameters).
+_BLOCK = re.compile(r"^(?P<container>.*?)\.(?P<index>\d+)\.")
+
+
+def block_index(name: str) -> int | None:
+    """The transformer block a parameter belongs to: the first dotted integer in its name
+    (``model.layers.3.mlp.up_proj.weight`` -> 3), or None for embeddings, final norm, LM head."""
+    m = _BLOCK.match(name)
+    return int(m.group("index")) if m else None
+
+
+def plan_fragments(specs: list[ParamSpec], num_block_fragments: int = 1, pattern: str = "strided") -> list[Fragment]:
+    """Partition the parameters into fragments (Streaming DiLoCo, arXiv 2501.18512, section 2).
+
+    ``num_block_fragments`` P = 1: one fragment holding every parameter (plain DiLoCo). P >= 2:
+    fragment 0 holds the parameters before the first block (embeddings), fragments 1..P the
+    blocks, ``strided`` (fragment j gets blocks j, j+P, j+2P, ...) or ``sequential``
+    (consecutive runs of blocks, the first ones one longer when they do not divide evenly), and
+    the last fragment the parameters after the blocks (final norm, LM head). The embedding and
+    head fragments are left out when empty. Within a fragment parameters keep
+    ``named_parameters`` order. The result depends only on the names, so every process agrees.
 
     Raises:
-        ValueError: if ``num_fragments`` is not in ``[1, len(specs)]``.
+        ValueError: unknown pattern, or P >= 2 with fewer than P numbered blocks.
     """
-    if not 1 <= num_fragments <= max(1, len(specs)):
-        raise ValueError(f"num_fragments = {num_fragments}: must be in [1, {len(specs)}]")
-    bounds = np.linspace(0, len(specs), num_fragments + 1).round().astype(int)
-    return [Fragment(i, tuple(specs[bounds[i] : bounds[i + 1]])) for i in range(num_fragments)]
+    if pattern not in ("strided", "sequential"):
+        raise ValueError(f"streaming.pattern = {pattern!r}: must be one of strided, sequential")
+    if num_block_fragments < 1:
+        raise ValueError(f"streaming.fragments = {num_block_fragments}: must be >= 1")
+    if num_block_fragments == 1:
+        return [Fragment(0, tuple(specs))]
+    blocks = sorted({b for s in specs if (b := block_index(s.name)) is not None})
+    P = num_block_fragments
+    if len(blocks) < P:
+        raise ValueError(f"streaming.fragments = {P}: the model has {len(blocks)} numbered blocks "
+                         "(parameters named like layers.<i>.*); need at least one block per fragment")
+    if pattern == "strided":
+        group = {b: i % P for i, b in enumerate(blocks)}
+    else:
+        bounds = np.linspace(0, len(blocks), P + 1)
+        group = {b: int(np.searchsorted(bounds, i, side="right")) - 1 for i, b in enumerate(blocks)}
+    first = next(i for i, s in enumerate(specs) if block_index(s.name) is not None)
+    embed = [s for i, s in enumerate(specs) if block_index(s.name) is None and i < first]
+    head = [s for i, s in enumerate(specs) if block_index(s.name) is None and i > first]
+    parts = [embed] + [[s for s in specs if (b := block_index(s.name)) is not None and group[b] == j]
+                       for j in range(P)] + [head]
+    parts = [p for p in parts if p]
+    return [Fragment(i, tuple(p)) for i, p in enumerate(parts)]
 
 
 def flatten(params: dict[str, torch.Tensor], fragment: Fragment) -> torch.Tensor:

@@ -25,6 +25,7 @@ reaches the outer optimiser through a scale.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,3 +128,62 @@ def decode(p: Packed) -> np.ndarray:
     pad = (-n) % BLOCK
     blocks = np.pad(vals, (0, pad)).reshape(-1, BLOCK) * p.scales[:, None]
     return blocks.reshape(-1)[:n].astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# the wire message: what one replica sends (or receives) for one fragment sync
+
+_HEADER = struct.Struct("<4sBQ")  # magic, format id, numel
+_MAGIC = b"RDQ1"
+_SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")
+
+
+def to_message(p: Packed) -> bytes:
+    """Serialise an encoding to the bytes sent on the wire: a 13-byte header (magic, format,
+    numel), the fp32 block scales, then the packed values. ``len()`` of the result is the
+    exact number of bytes the exchange counts."""
+    return _HEADER.pack(_MAGIC, FORMATS.index(p.format), p.numel) + p.scales.tobytes() + p.payload.tobytes()
+
+
+def from_message(msg: bytes) -> Packed:
+    """Inverse of :func:`to_message` (zero-copy views into ``msg``).
+
+    Raises:
+        ValueError: if ``msg`` is not a well-formed message.
+    """
+    if len(msg) < _HEADER.size:
+        raise ValueError(f"wire message of {len(msg)} bytes is shorter than its header")
+    magic, fid, numel = _HEADER.unpack_from(msg)
+    if magic != _MAGIC or fid >= len(FORMATS):
+        raise ValueError("not a ray-diloco wire message (bad magic or format id)")
+    fmt = FORMATS[fid]
+    n_scales = -(-numel // BLOCK) if fmt in _SCALED else 0
+    width = message_nbytes(numel, fmt) - _HEADER.size - 4 * n_scales
+    if len(msg) != message_nbytes(numel, fmt):
+        raise ValueError(f"wire message of {len(msg)} bytes does not match its header ({fmt}, {numel} values)")
+    buf = memoryview(msg)
+    scales = np.frombuffer(buf, np.float32, n_scales, _HEADER.size)
+    payload = np.frombuffer(buf, np.uint8, width, _HEADER.size + 4 * n_scales)
+    return Packed(fmt, int(numel), payload, scales)
+
+
+def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
+    """Encode fp32 ``x`` ``[n]`` for the wire, with optional error feedback.
+
+    With ``residual`` (fp32 ``[n]``, last round's quantisation error) the value encoded is
+    ``x + residual``. Returns ``(message, dequantised)``; the caller's new residual is
+    ``(x + residual) - dequantised``.
+
+    Raises:
+        ValueError: non-finite values in ``x`` (or the residual).
+    """
+    value = x if residual is None else x + residual
+    packed = encode(value, fmt)
+    return to_message(packed), torch.from_numpy(decode(packed))
+
+
+def message_nbytes(numel: int, fmt: str) -> int:
+    """Length of :func:`to_message` for ``numel`` values in ``fmt`` (header + scales + payload)."""
+    n_scales = -(-numel // BLOCK) if fmt in _SCALED else 0
+    width = {"none": 4 * numel, "bf16": 2 * numel, "fp8_e4m3": numel, "int8": numel, "fp4_e3m0": (numel + 1) // 2}[fmt]
+    return _HEADER.size + 4 * n_scales + width

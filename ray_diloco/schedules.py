@@ -8,6 +8,7 @@ global step").
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def inner_lr(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
@@ -39,3 +40,82 @@ def outer_step_bounds(outer_step: int, H: int, total_steps: int) -> tuple[int, i
 def is_due(outer_step: int, every: int, last: int) -> bool:
     """Whether an every-k event (eval, checkpoint) happens after ``outer_step``; always at the last."""
     return outer_step == last or (every > 0 and outer_step % every == 0)
+
+
+@dataclass(frozen=True)
+class SyncSchedule:
+    """When each fragment syncs, as a pure function of the global inner step (Streaming DiLoCo,
+    arXiv 2501.18512, section 2).
+
+    Step ``t`` counts completed inner steps (1 .. ``total_steps``). Fragment ``f`` of ``F``
+    sends its pseudo-gradient at every ``t >= 1`` with ``(t - t_f) mod H == 0``, where
+    ``t_f = floor(f * H / F)``, so every fragment syncs every H steps and some fragment every
+    H/F. The new global value of a fragment sent at ``s`` is merged at ``s + tau`` (``tau`` =
+    ``overlap``). At the last step ``T`` the run closes: a send still in flight is merged at
+    ``T``, and a fragment whose last merge came before ``T`` sends once more at ``T`` (a cut
+    round, as plain DiLoCo's last round), so the global parameters hold all the training except
+    the up to ``tau`` steps the merge rule discards. With F=1, tau=0 this is DiLoCo's schedule:
+    sends at H, 2H, ... and at T.
+
+    Args:
+        H: inner steps between two syncs of a fragment. num_fragments: F.
+        overlap: tau in inner steps (< H / F). total_steps: T.
+    """
+
+    H: int
+    num_fragments: int
+    overlap: int
+    total_steps: int
+
+    def offset(self, f: int) -> int:
+        """``t_f``, the fragment's phase in ``[0, H)`` (steps)."""
+        return (f * self.H) // self.num_fragments
+
+    def _scheduled(self, f: int, t: int) -> bool:
+        return 1 <= t <= self.total_steps and (t - self.offset(f)) % self.H == 0
+
+    def last_scheduled(self, f: int, t: int) -> int:
+        """The latest scheduled send step of ``f`` at or before ``t`` (0 if none)."""
+        if t < 1:
+            return 0
+        s = t - ((t - self.offset(f)) % self.H)
+        return s if s >= 1 else 0
+
+    def sends_at(self, t: int) -> list[int]:
+        """Fragments that send their pseudo-gradient at step ``t``, in fragment order."""
+        T = self.total_steps
+        out = []
+        for f in range(self.num_fragments):
+            if self._scheduled(f, t):
+                out.append(f)
+            elif t == T:
+                last = self.last_scheduled(f, T)
+                if last == 0 or last + self.overlap < T:
+                    out.append(f)
+        return out
+
+    def apply_step(self, send_step: int) -> int:
+        """The step at which a send at ``send_step`` is merged: ``min(send_step + tau, T)``."""
+        return min(send_step + self.overlap, self.total_steps)
+
+    def round_of(self, f: int, t: int) -> int:
+        """1-based count of ``f``'s sends up to and including step ``t`` (its sync round id,
+        the key the driver and every replica use for that exchange)."""
+        last = self.last_scheduled(f, t)
+        n = 0 if last == 0 else (last - self.offset(f)) // self.H + (1 if self.offset(f) > 0 else 0)
+        if t == self.total_steps and f in self.sends_at(t) and not self._scheduled(f, t):
+            n += 1
+        return n
+
+    def sends_between(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(step, fragment, round)`` of every send with ``start < step <= end``, in order."""
+        return [(t, f, self.round_of(f, t)) for t in self._candidate_steps(start, end) for f in self.sends_at(t)]
+
+    def _candidate_steps(self, start: int, end: int) -> list[int]:
+        steps = {self.total_steps} if start < self.total_steps <= end else set()
+        for f in range(self.num_fragments):
+            t = self.last_scheduled(f, end)
+            while t > start:
+                steps.add(t)
+                t -= self.H
+        return sorted(steps)

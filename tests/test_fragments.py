@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ray_diloco.fragments import ParamSpec, flatten, plan_fragments, unflatten_into
@@ -14,12 +15,22 @@ def _params():
 
 
 def test_every_parameter_in_exactly_one_fragment():
-    specs = [ParamSpec(n, tuple(t.shape)) for n, t in _params().items()]
-    for k in range(1, len(specs) + 1):
-        frags = plan_fragments(specs, k)
-        names = [n for f in frags for n in f.names]
-        assert sorted(names) == sorted(s.name for s in specs) and len(names) == len(set(names))
-        assert sum(f.numel for f in frags) == 1 + 13 + 105 + 22 + 1
+    """Odd shapes spread over numbered blocks, with loose parameters before and after them."""
+    names = ["emb", "h.0.scalar", "h.0.vec", "h.1.cube", "h.2.mat", "h.3.one", "final"]
+    params = _params()
+    shapes = [(5,), *[tuple(t.shape) for t in params.values()], ()]
+    specs = [ParamSpec(n, s) for n, s in zip(names, shapes)]
+    for pattern in ("strided", "sequential"):
+        for k in range(1, 5):
+            frags = plan_fragments(specs, k, pattern)
+            got = [n for f in frags for n in f.names]
+            assert sorted(got) == sorted(names) and len(got) == len(set(got))
+            assert sum(f.numel for f in frags) == 5 + 1 + 13 + 105 + 22 + 1 + 1
+            assert len(frags) == (1 if k == 1 else k + 2)
+    with pytest.raises(ValueError, match="numbered blocks"):
+        plan_fragments([ParamSpec(n, tuple(t.shape)) for n, t in params.items()], 2)
+    with pytest.raises(ValueError, match="pattern"):
+        plan_fragments(specs, 2, "random")
 
 
 def test_flatten_unflatten_round_trip_is_exact():
