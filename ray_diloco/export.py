@@ -12,7 +12,7 @@ import torch
 
 from .config import Config
 from .errors import CheckpointError
-from .fragments import param_specs, plan_fragments, unflatten_into
+from .fragments import param_specs, unflatten_into
 from .model import ModelFn
 
 
@@ -34,10 +34,13 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
     Raises:
         CheckpointError: if the sizes do not match the model built from ``cfg`` / ``model_fn``.
     """
-    from .replica import build_model
+    from .replica import build_model, fragment_plan
 
     model = build_model(cfg, vocab_size, model_fn)
-    frags = plan_fragments(param_specs(model), len(params))
+    try:
+        frags = fragment_plan(cfg, param_specs(model))
+    except ValueError as e:
+        raise CheckpointError(f"the model built from the run's config cannot hold these parameters: {e}") from None
     check_sizes(frags, params)
     named = dict(model.named_parameters())
     for f, arr in zip(frags, params):

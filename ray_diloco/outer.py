@@ -7,15 +7,17 @@ gradient. Default: SGD with Nesterov momentum (lr 0.7, momentum 0.9), in torch s
 ``b <- mu*b + delta; theta <- theta - lr*(delta + mu*b)``. State is kept per fragment
 (Streaming DiLoCo, arXiv 2501.18512, section 2: "one Nesterov buffer per fragment").
 
-:class:`OuterOptimizer` is plain Python/torch (tested exactly, no Ray); :data:`OuterOptimizerActor`
-is the same class as a Ray actor that receives pseudo-gradients through the object store and
-publishes each new global fragment once with ``ray.put``.
+:class:`OuterOptimizer` is plain Python/torch (tested exactly, no Ray). :class:`OuterDriver` is
+the Ray actor around it: it gathers each fragment's pseudo-gradients from the replicas through
+the object store, runs the outer step once per round and replies to every replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +25,8 @@ import ray
 import torch
 
 from .config import OuterConfig
+from .exchange import apply_downlink
+from .quantize import decode, encode, from_message, quantize_message, to_message
 
 
 def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
@@ -60,27 +64,35 @@ def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> 
 
 
 class OuterOptimizer:
-    """Global fp32 parameters and an outer optimiser per fragment.
+    """Global fp32 parameters, an outer optimiser per fragment, and the downlink encoding.
 
     Args:
         initial: one fp32 array ``[numel_p]`` per fragment (the replicas' common initialisation).
         cfg: outer optimiser settings.
+        quantization: wire format of the outer update sent back (``streaming.quantization``).
+        error_feedback: carry the downlink quantisation residual into the next update.
     """
 
-    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig):
-        self.cfg = cfg
+    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig, quantization: str = "none",
+                 error_feedback: bool = False):
+        self.cfg, self.quantization, self.error_feedback = cfg, quantization, error_feedback
         self.params = [torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1)) for g in initial]
         self.opts = [make_outer_optimizer(p, cfg) for p in self.params]
         self.steps = [0] * len(self.params)
-        self._published: list[Any] = [None] * len(self.params)
+        self.residuals: list[torch.Tensor | None] = [None] * len(self.params)
 
     # -- the outer step --------------------------------------------------------------------
     def step(self, fragment: int, weights: list[float], *deltas: np.ndarray) -> dict[str, Any]:
         """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32.
 
-        Returns ``{"global": ObjectRef or array, "update_norm": float, "step": int,
-        "bytes_received": int, "delta_norms": [float per replica]}``; the ref points at the new global fragment (fp32 numpy) put once
-        into the object store (the array itself when Ray is not initialised).
+        The weighted mean (fp32) is the gradient of the fragment's outer optimiser. The reply
+        for the replicas is then encoded: with ``quantization: none`` the new global values in
+        fp32; otherwise the update ``u = new - old`` (plus the downlink residual with error
+        feedback) is quantised, and this optimiser's own global fragment is set to
+        ``exchange.apply_downlink(old, message)``, exactly what every replica computes.
+
+        Returns ``{"message": bytes, "update_norm": float, "step": int,
+        "delta_norms": [float per replica]}``.
         """
         p = self.params[fragment]
         mean = average_pseudo_gradients(list(deltas), list(weights))
@@ -89,24 +101,22 @@ class OuterOptimizer:
         self.opts[fragment].step()
         p.grad = None
         self.steps[fragment] += 1
-        update_norm = float((p - before).norm())
+        if self.quantization == "none":
+            message = to_message(encode(p, "none"))
+        else:
+            update = p - before
+            residual = self.residuals[fragment] if self.error_feedback else None
+            message, sent = quantize_message(update, self.quantization, residual)
+            if self.error_feedback:
+                self.residuals[fragment] = (update if residual is None else update + residual) - sent
+            with torch.no_grad():
+                p.copy_(apply_downlink(before, message))
         return {
-            "global": self.publish(fragment),
-            "update_norm": update_norm,
+            "message": message,
+            "update_norm": float((p - before).norm()),
             "step": self.steps[fragment],
-            "bytes_received": int(sum(np.asarray(d).nbytes for d in deltas)),
             "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas],
         }
-
-    def publish(self, fragment: int) -> Any:
-        """Put the current global fragment into the object store once and return its ref."""
-        arr = self.params[fragment].numpy().copy()
-        self._published[fragment] = ray.put(arr) if ray.is_initialized() else arr
-        return self._published[fragment]
-
-    def global_ref(self, fragment: int) -> Any:
-        """The last published ref of ``fragment`` (publishing it first if needed)."""
-        return self._published[fragment] if self._published[fragment] is not None else self.publish(fragment)
 
     def global_params(self) -> list[np.ndarray]:
         """Copies of every global fragment, fp32 ``[numel_p]``."""
@@ -114,15 +124,17 @@ class OuterOptimizer:
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Global parameters, optimiser state (momentum buffers) and step counts per fragment."""
+        """Global parameters, optimiser state (momentum buffers), step counts and downlink
+        residuals per fragment (a snapshot, not live buffers)."""
         return {
             "global": self.global_params(),
-            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],  # a snapshot, not live buffers
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],
             "steps": list(self.steps),
+            "residuals": [None if r is None else r.numpy().copy() for r in self.residuals],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts).
+        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts, residuals).
 
         Raises:
             ValueError: if the number of fragments differs.
@@ -133,8 +145,10 @@ class OuterOptimizer:
             with torch.no_grad():
                 self.params[i].copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
             self.opts[i].load_state_dict(state["optimizers"][i])
-            self._published[i] = None
         self.steps = list(state["steps"])
+        res = state.get("residuals") or [None] * len(self.params)
+        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+                          for r in res]
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""
@@ -147,6 +161,116 @@ class OuterOptimizer:
         return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
 
 
-#: The outer optimiser as a Ray actor. It needs no CPU reservation: its work is a few vector
-#: operations per outer step, and it must not take a core a replica worker needs.
-OuterOptimizerActor = ray.remote(num_cpus=0, max_concurrency=1)(OuterOptimizer)
+@dataclass
+class _Round:
+    """One fragment sync in progress on the driver: pseudo-gradients in, one reply out."""
+
+    deltas: dict[int, tuple[float, np.ndarray]] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    reply: bytes | None = None
+    fetched: int = 0
+    bytes_up: int = 0
+
+
+class OuterDriver:
+    """The outer-optimiser driver as an async Ray actor: it holds the global parameters and
+    the outer state, and completes a fragment's sync round once every replica has sent.
+
+    Each replica's rank 0 calls :meth:`exchange` from its link thread (see ``exchange.Link``);
+    the call returns when the round is complete, with the reply bytes. Other ranks of the
+    replica call :meth:`result`. Rounds are keyed ``(fragment, round)`` from the pure
+    schedule, so every process agrees on them after any restart; replicas' pseudo-gradients
+    are averaged in replica order, so the result does not depend on arrival order.
+
+    Args:
+        initial: fp32 ``[numel_p]`` per fragment. cfg: the run config (dict).
+    """
+
+    def __init__(self, initial: list[np.ndarray], cfg: dict[str, Any]):
+        from .config import load_config
+
+        c = load_config(cfg, validate=False)
+        self.opt = OuterOptimizer(initial, c.outer, c.streaming.quantization, c.streaming.error_feedback)
+        self.num_replicas = c.diloco.replicas
+        self.receivers = c.diloco.replicas * c.diloco.workers_per_replica
+        self.rounds: dict[tuple[int, int], _Round] = {}
+        self.completed = [0] * len(self.opt.params)  # last completed round per fragment
+        self.stats: list[dict[str, Any]] = []
+
+    def _round(self, fragment: int, round_: int) -> _Round:
+        if not 0 <= fragment < len(self.opt.params):
+            raise ValueError(f"fragment {fragment} out of range [0, {len(self.opt.params)})")
+        if round_ <= self.completed[fragment] and (fragment, round_) not in self.rounds:
+            raise ValueError(f"fragment {fragment} round {round_} already completed and collected")
+        return self.rounds.setdefault((fragment, round_), _Round())
+
+    async def exchange(self, fragment: int, round_: int, replica: int, weight: float, message: bytes) -> bytes:
+        """Submit replica ``replica``'s quantised pseudo-gradient (wire message) for a round,
+        weighted by ``weight`` (tokens); returns the reply once the round completes.
+
+        Raises:
+            ValueError: bad fragment/round/replica, a duplicate submission, a malformed message.
+        """
+        r = self._round(fragment, round_)
+        if not 0 <= replica < self.num_replicas or replica in r.deltas:
+            raise ValueError(f"replica {replica}: invalid or duplicate for fragment {fragment} round {round_}")
+        r.deltas[replica] = (float(weight), decode(from_message(message)))
+        r.bytes_up += len(message)
+        if len(r.deltas) == self.num_replicas:
+            order = sorted(r.deltas)
+            out = self.opt.step(fragment, [r.deltas[m][0] for m in order], *[r.deltas[m][1] for m in order])
+            r.reply, r.deltas = out["message"], {}
+            self.stats.append({"fragment": fragment, "round": round_, "update_norm": out["update_norm"],
+                               "delta_norms": out["delta_norms"], "bytes_up": r.bytes_up,
+                               "bytes_down": len(out["message"]) * self.num_replicas})
+            self.completed[fragment] = round_
+            r.done.set()
+        return await self._collect(fragment, round_, r)
+
+    async def result(self, fragment: int, round_: int) -> bytes:
+        """The reply of a round for a rank > 0 of some replica (waits for the round)."""
+        return await self._collect(fragment, round_, self._round(fragment, round_))
+
+    async def _collect(self, fragment: int, round_: int, r: _Round) -> bytes:
+        await r.done.wait()
+        r.fetched += 1
+        if r.fetched >= self.receivers:
+            self.rounds.pop((fragment, round_), None)
+        return r.reply
+
+    def take_stats(self) -> list[dict[str, Any]]:
+        """Per-round figures since the last call (fragment, round, update norm, bytes)."""
+        out, self.stats = self.stats, []
+        return out
+
+    def global_refs(self) -> list[Any]:
+        """Every global fragment (fp32 ``[numel_p]``) put once into the object store."""
+        import ray
+
+        return [ray.put(g) for g in self.opt.global_params()]
+
+    def global_params(self) -> list[np.ndarray]:
+        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        return self.opt.global_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer optimiser's state plus the completed round per fragment."""
+        return {**self.opt.state_dict(), "completed": list(self.completed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.opt.load_state_dict(state)
+        self.completed = list(state.get("completed", [0] * len(self.opt.params)))
+
+    def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the outer optimiser buffers."""
+        return self.opt.state_hash()
+
+    def pending_rounds(self) -> int:
+        """Rounds held in memory (incomplete or not yet collected by every receiver)."""
+        return len(self.rounds)
+
+
+#: The driver as a Ray actor. It needs no CPU reservation: its work is a few vector operations
+#: per sync, and it must not take a core a replica worker needs.
+OuterDriverActor = ray.remote(num_cpus=0)(OuterDriver)

@@ -17,7 +17,9 @@ import hashlib
 import os
 import socket
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,9 +29,10 @@ import torch
 
 from .config import Config, load_config
 from .data import ShardReader, val_batch
+from .exchange import Link, link_delay_s
 from .fragments import Fragment, ParamSpec, flatten, param_specs, plan_fragments, unflatten_into
 from .model import ModelFn, build_transformers_model, lm_loss, logits_of, resolve_model_shape
-from .schedules import inner_lr
+from .schedules import SyncSchedule, inner_lr
 
 
 def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None) -> torch.nn.Module:
@@ -77,6 +80,49 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, wind
     return total, count
 
 
+@dataclass
+class PendingSync:
+    """A fragment sent at ``send_step`` whose new global value is merged at ``apply_step``.
+    ``future`` resolves to an ``exchange.SyncResult``; None after a resume, when the new global
+    value was restored from the driver's checkpoint into ``global_flat``."""
+
+    fragment: int
+    round: int
+    send_step: int
+    apply_step: int
+    future: Future | None
+
+
+def fragment_plan(cfg: Config, specs: list[ParamSpec]) -> list[Fragment]:
+    """The run's fragments: every parameter in one for DiLoCo/DP, else by transformer block.
+
+    Raises:
+        ValueError: the model has fewer numbered blocks than ``streaming.fragments``.
+    """
+    if cfg.algorithm != "diloco":
+        return plan_fragments(specs, 1)
+    return plan_fragments(specs, cfg.block_fragments, cfg.streaming.pattern)
+
+
+def _dp_emulation_hook(worker: "ReplicaWorker"):
+    """DDP comm hook for ``algorithm: dp`` under WAN emulation: the real all-reduce, plus the
+    emulated time of a ring all-reduce of the bucket (each rank sends and receives
+    ``2 (R-1)/R`` of the bucket's bytes over ``2 (R-1)`` hops), slept after the optimiser step."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    net = worker.cfg.network
+
+    def hook(state, bucket):
+        R = dist.get_world_size()
+        nbytes = int(2 * bucket.buffer().numel() * bucket.buffer().element_size() * (R - 1) / R)
+        worker.dp_bytes += nbytes
+        worker.dp_delay_s += link_delay_s(nbytes, net.bandwidth_gbps, 0.0) + 2 * (R - 1) * net.latency_ms / 1e3
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
 class ReplicaWorker:
     """One rank of one replica.
 
@@ -106,9 +152,18 @@ class ReplicaWorker:
         self.shape = resolve_model_shape(self.cfg.model, vocab_size)
         self.z_loss = float(self.shape["z_loss"])
         self.specs = param_specs(self.model)
-        self.fragments: list[Fragment] = plan_fragments(self.specs, 1)
+        try:
+            self.fragments: list[Fragment] = fragment_plan(self.cfg, self.specs)
+        except ValueError:  # reported by the trainer (ConfigError) before any training
+            self.fragments = plan_fragments(self.specs, 1)
         self.params = dict(self.model.named_parameters())
         self.global_flat: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self.schedule: SyncSchedule | None = None
+        self.link: Link | None = None
+        self.pending: list[PendingSync] = []
+        self.last_send = [0] * len(self.fragments)
+        self.trace: list[dict[str, Any]] = []
+        self.dp_bytes, self.dp_delay_s = 0, 0.0
         self.optimizer = make_inner_optimizer(self.model, self.cfg)
         self.net: torch.nn.Module = self.model
         self.reader: ShardReader | None = None
@@ -141,6 +196,9 @@ class ReplicaWorker:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(self.model, device_ids=[0] if self.device.type == "cuda" else None)
+            net = self.cfg.network
+            if self.cfg.algorithm == "dp" and (net.bandwidth_gbps or net.latency_ms):
+                self.net.register_comm_hook(None, _dp_emulation_hook(self))
         self.reader = ShardReader(train_tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
@@ -166,18 +224,76 @@ class ReplicaWorker:
         return tensor_hash([g for g in self.global_flat if g is not None])
 
     # -- outer-step exchange ---------------------------------------------------------------
+    def attach(self, driver: Any, schedule: SyncSchedule) -> None:
+        """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
+        ``schedule`` through a background :class:`~ray_diloco.exchange.Link`."""
+        s, n = self.cfg.streaming, self.cfg.network
+        self.schedule = schedule
+        self.link = Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
+                         n.bandwidth_gbps, n.latency_ms)
+
+    def _send(self, f: int, t: int) -> None:
+        """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
+        it to the link thread; the merge is queued for ``schedule.apply_step(t)``."""
+        frag, g = self.fragments[f], self.global_flat[f]
+        local = flatten(self.params, frag)
+        delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
+        weight = float((t - self.last_send[f]) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size)
+        self.last_send[f] = t
+        k = self.schedule.round_of(f, t)
+        fut = self.link.exchange(f, k, weight, delta, g)
+        self.pending.append(PendingSync(f, k, t, self.schedule.apply_step(t), fut))
+        if self.cfg.run.trace_syncs:
+            self.trace.append({"fragment": f, "round": k, "send_step": t, "old_global": g.clone(),
+                               "local_at_send": local})
+
+    def _merge(self, e: PendingSync) -> float:
+        """Merge a finished sync (Streaming DiLoCo, section 2):
+        ``theta_local <- alpha * theta_local + (1 - alpha) * new_global``; returns seconds blocked."""
+        t0 = time.perf_counter()
+        new = e.future.result().new_global if e.future is not None else self.global_flat[e.fragment]
+        waited = time.perf_counter() - t0
+        frag, alpha = self.fragments[e.fragment], self.cfg.streaming.alpha
+        local = flatten(self.params, frag)
+        merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
+        self.global_flat[e.fragment] = new
+        unflatten_into(self.params, frag, merged)
+        if self.cfg.run.trace_syncs:
+            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["round"] == e.round)
+            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
+                        "merged": merged.clone()})
+        return waited
+
+    def _sync(self, t: int) -> float:
+        """Every send and merge due after inner step ``t``; returns seconds blocked on the link."""
+        for f in self.schedule.sends_at(t):
+            self._send(f, t)
+        waited = 0.0
+        while self.pending and self.pending[0].apply_step <= t:
+            waited += self._merge(self.pending.pop(0))
+        return waited
+
+    def settle(self) -> int:
+        """Wait until every sync this worker has started is answered (not merged: merges stay at
+        their step); re-raises a failed exchange. Returns the number of syncs in flight."""
+        for e in self.pending:
+            if e.future is not None:
+                e.future.result()
+        return len(self.pending)
+
+    def sync_trace(self) -> list[dict[str, Any]]:
+        """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
+        return self.trace
+
+    def global_fragment(self, fragment: int) -> np.ndarray:
+        """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
+        return self.global_flat[fragment].numpy().copy()
+
     def load_global(self, fragment: int, global_p: np.ndarray) -> None:
         """Adopt the new global fragment (fp32 ``[numel_p]``): keep a copy, overwrite local params."""
         g = torch.from_numpy(np.array(global_p, dtype=np.float32, copy=True))
         self.global_flat[fragment] = g
         unflatten_into(self.params, self.fragments[fragment], g)
-
-    def pseudo_gradient(self, fragment: int) -> np.ndarray:
-        """``global_p - local_p`` in fp32, shape ``[numel_p]`` (DiLoCo Algorithm 1, line 8)."""
-        g = self.global_flat[fragment]
-        if g is None:
-            raise RuntimeError(f"replica {self.replica}: no global parameters for fragment {fragment}")
-        return (g - flatten(self.params, self.fragments[fragment])).numpy()
 
     # -- inner loop ------------------------------------------------------------------------
     def _autocast(self):
@@ -196,9 +312,12 @@ class ReplicaWorker:
         total_loss = torch.zeros((), dtype=torch.float64)
         digest = hashlib.sha256()
         self.net.train()
-        t0 = time.perf_counter()
+        t_begin = time.perf_counter()
+        compute_s = sync_s = wait_s = 0.0
+        dp_seen, dp_bytes0 = self.dp_delay_s, self.dp_bytes
         lr = 0.0
         for step in range(start, end):
+            t0 = time.perf_counter()
             lr = inner_lr(step, i.lr, i.warmup_steps, cfg.run.steps, i.min_lr_ratio)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
@@ -214,7 +333,16 @@ class ReplicaWorker:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             total_loss += ce.detach().to("cpu", torch.float64)
-        compute_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            compute_s += t1 - t0
+            if self.schedule is not None:
+                wait_s += self._sync(step + 1)
+            elif self.dp_delay_s > dp_seen:  # emulated time of this step's DP all-reduce
+                time.sleep(self.dp_delay_s - dp_seen)
+                wait_s += self.dp_delay_s - dp_seen
+                dp_seen = self.dp_delay_s
+            sync_s += time.perf_counter() - t1
+        wall_s = time.perf_counter() - t_begin
         n = max(1, end - start)
         mean_loss = total_loss / n
         if self.group:
@@ -230,28 +358,48 @@ class ReplicaWorker:
             "steps": end - start,
             "tokens": (end - start) * b * cfg.data.seq_len * self.world_size,
             "compute_s": compute_s,
+            "sync_s": sync_s,  # training-thread seconds in sends, merges and waits
+            "sync_wait_s": wait_s,  # of which blocked on the link (exposed communication)
+            "wall_s": wall_s,
+            "link": self.link.take_stats() if self.link is not None else
+            {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0},
             "data_digest": digest.hexdigest(),
         }
 
     # -- evaluation ------------------------------------------------------------------------
-    def evaluate(self, windows: np.ndarray) -> tuple[float, int]:
+    def evaluate(self, windows: np.ndarray, global_refs: list[Any] | None = None) -> tuple[float, int]:
         """Summed cross-entropy (nats) and token count over validation ``windows`` (int ``[k]``).
 
-        Evaluates the parameters currently in the model; the trainer calls it right after
-        ``load_global``, so these are the global parameters.
+        With ``global_refs`` (object refs of the driver's fp32 global fragments) the global
+        parameters are evaluated: swapped into the model, then the local ones are put back.
+        Without, the parameters currently in the model (DP).
         """
-        return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
-                             self.cfg.run.eval_batch, self._autocast)
+        saved = None
+        if global_refs is not None:
+            saved = [flatten(self.params, f) for f in self.fragments]
+            for f, g in zip(self.fragments, ray.get(list(global_refs))):
+                unflatten_into(self.params, f, torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
+        try:
+            return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
+                                 self.cfg.run.eval_batch, self._autocast)
+        finally:
+            if saved is not None:
+                for f, v in zip(self.fragments, saved):
+                    unflatten_into(self.params, f, v)
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, Any]:
         """Data position and RNG of this worker; with ``full`` also its inner-optimiser state and
         local parameters (identical on every rank of a replica, so only rank 0 sends them)."""
+        self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
-                 "torch_rng": torch.get_rng_state()}
+                 "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
+                 "pending": [[e.fragment, e.round, e.send_step, e.apply_step] for e in self.pending]}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
             state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
+            if self.link is not None and self.link.residuals:
+                state["residuals"] = {f: r.numpy().copy() for f, r in self.link.residuals.items()}
         return state
 
     def load_local(self, local: list[np.ndarray]) -> None:
@@ -260,14 +408,23 @@ class ReplicaWorker:
             unflatten_into(self.params, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a full state (``optimizer`` and ``local`` must be present)."""
+        """Restore a full state (``optimizer`` and ``local`` must be present). Call after
+        ``load_global``: syncs that were in flight at the checkpoint merge the global values
+        loaded from the driver, at their original merge step."""
         self.load_local(state["local"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
+        self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
+        self.pending = [PendingSync(f, k, s, a, None) for f, k, s, a in state.get("pending", [])]
+        if self.link is not None:
+            self.link.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+                                   for f, r in state.get("residuals", {}).items()}
 
     def shutdown(self) -> None:
-        """Leave the replica's process group."""
+        """Stop the link thread and leave the replica's process group."""
+        if self.link is not None:
+            self.link.close()
         if self.group:
             import torch.distributed as dist
 

@@ -1,11 +1,16 @@
 """Orchestration of a run: Ray start-up, replicas, the outer-step loop, eval, checkpoints, export.
 
-One outer step of DiLoCo (arXiv 2311.08105, Algorithm 1), as the trainer drives it::
+The trainer drives outer steps of H inner steps (``train(start, end)`` on every worker); the
+syncs themselves run inside the workers on the pure ``SyncSchedule`` (DiLoCo, arXiv 2311.08105,
+Algorithm 1; Streaming DiLoCo, arXiv 2501.18512, section 2)::
 
-    every worker:  train(start, end)                 H inner AdamW steps on its own shard
-    rank 0 of m:   pseudo_gradient(p) -> ObjectRef   global_p - local_p, fp32 numpy
-    outer actor:   step(p, weights, *refs)           mean, Nesterov step, ray.put(new global_p)
-    every worker:  load_global(p, ref)               local_p <- new global_p
+    worker (training thread)   inner AdamW steps; at fragment p's sync step: delta_p = global_p - local_p
+    worker (link thread)       quantise delta_p -> OuterDriver.exchange(p, round, ...) -> reply
+    OuterDriver actor          once all M replicas sent: mean, outer step, quantised reply
+    worker (training thread)   tau steps later: local_p <- alpha*local_p + (1-alpha)*new global_p
+
+Before an evaluation, a checkpoint or the export the trainer waits until the driver has
+completed every sync sent so far.
 
 ``algorithm: dp`` runs the data-parallel baseline with the same workers, data, inner optimiser
 and schedule: one DDP group over all M x W workers and no outer step.
@@ -14,6 +19,7 @@ and schedule: one DDP group over all M x W workers and no outer step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -37,13 +43,14 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
-from .config import Config, load_config
+from .config import Config, check_overlap, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
 from .errors import CheckpointError, ClusterError, ConfigError, DataError
+from .exchange import communication_summary
 from .export import check_sizes, export_model
-from .fragments import plan_fragments
 from .model import ModelFn
-from .schedules import is_due, outer_step_bounds
+from .replica import fragment_plan
+from .schedules import SyncSchedule, is_due, outer_step_bounds
 from .tracking import Tracker, write_summary
 
 
@@ -54,8 +61,12 @@ class RunState:
     outer_step: int = 0
     inner_step: int = 0
     tokens: int = 0
-    bytes_sent: int = 0  # replicas -> outer optimiser, all replicas
+    bytes_sent: int = 0  # replicas -> outer optimiser, all replicas (serialised messages)
     bytes_received: int = 0  # outer optimiser -> replicas, all replicas
+    peak_sync_bytes: int = 0  # largest up + down of one fragment sync of one replica
+    sync_events: int = 0  # fragment syncs, summed over replicas
+    inner_compute_s: float = 0.0  # mean over workers
+    train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
     last_eval: float | None = None
     evals: list[tuple[int, float]] = field(default_factory=list)
 
@@ -128,15 +139,21 @@ class Trainer:
         self.state = RunState()
         self.replicas: list[Replica] = []
         self.outer = None
+        self.schedule: SyncSchedule | None = None
         self.num_fragments = 1
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Check resources, start the replicas and the outer-optimiser actor, load the global
-        parameters into every worker, and restore a checkpoint when resuming."""
+        """Check resources, start the replicas and the outer-optimiser driver, load the global
+        parameters into every worker, and restore a checkpoint when resuming.
+
+        Raises:
+            ConfigError: the model cannot be cut into ``streaming.fragments``, or the overlap
+                does not fit the resulting number of fragments.
+        """
         import ray
 
-        from .outer import OuterOptimizerActor
+        from .outer import OuterDriverActor
 
         self.cfg.diloco.cpus_per_worker = check_resources(self.cfg)
         if self.cfg.diloco.cpus_per_worker < 1:
@@ -145,10 +162,18 @@ class Trainer:
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
         self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn)
         w0 = self.replicas[0].rank0
-        self.num_fragments = ray.get(w0.num_fragments.remote())
         specs = ray.get(w0.param_specs.remote())
-        self.num_params = sum(s.numel for s in specs)
         c = self.cfg
+        try:
+            self.fragments = fragment_plan(c, specs)
+        except ValueError as e:
+            raise ConfigError([str(e)]) from None
+        self.num_fragments = len(self.fragments)
+        problems: list[str] = []
+        check_overlap(c.diloco.H, self.num_fragments, c.streaming.overlap_steps, problems)
+        if problems and c.algorithm == "diloco":
+            raise ConfigError(problems)
+        self.num_params = sum(s.numel for s in specs)
         tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
         print(f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
               f"{len(specs)} tensors, {self.num_fragments} fragment(s)", file=sys.stderr)
@@ -157,26 +182,28 @@ class Trainer:
               f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
         rs = self.resume_state
         if rs is not None:
-            check_sizes(plan_fragments(specs, self.num_fragments), global_params(rs))
-        if self.cfg.algorithm == "diloco":
+            check_sizes(self.fragments, global_params(rs))
+        if c.algorithm == "diloco":
+            self.schedule = SyncSchedule(c.diloco.H, self.num_fragments, c.streaming.overlap_steps, c.run.steps)
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
                 ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])
-            self.outer = OuterOptimizerActor.remote(initial, self.cfg.outer)
+            self.outer = OuterDriverActor.remote(initial, c.to_dict())
             if rs is not None:
                 ray.get(self.outer.load_state_dict.remote(rs["outer"]))
-            globals_ = ray.get([self.outer.global_ref.remote(p) for p in range(self.num_fragments)])
-            ray.get([w.load_global.remote(p, g) for p, g in enumerate(globals_) for w in all_workers(self.replicas)])
+            workers = all_workers(self.replicas)
+            ray.get([w.attach.remote(self.outer, self.schedule) for w in workers])
+            globals_ = ray.get(self.outer.global_refs.remote())
+            ray.get([w.load_global.remote(p, g) for p, g in enumerate(globals_) for w in workers])
         if rs is not None:  # after load_global: a worker's local parameters may differ from the global ones
             self._restore_workers(rs)
-            c = rs["counters"]
-            self.state = RunState(**{k: c[k] for k in ("outer_step", "inner_step", "tokens", "bytes_sent",
-                                                       "bytes_received", "last_eval")},
-                                  evals=[tuple(e) for e in c.get("evals", [])])
+            cnt = rs["counters"]
+            self.state = RunState(**{k: cnt[k] for k in RunState.__dataclass_fields__ if k in cnt and k != "evals"},
+                                  evals=[tuple(e) for e in cnt.get("evals", [])])
 
     def _restore_workers(self, rs: dict[str, Any]) -> None:
         """Inner-optimiser state and local parameters (rank 0's, for every rank of its replica),
-        data position and RNG (each worker's own) from a checkpoint."""
+        data position, RNG and syncs in flight (each worker's own) from a checkpoint."""
         import ray
 
         states = rs["workers"]
@@ -190,74 +217,87 @@ class Trainer:
 
     # -- one outer step --------------------------------------------------------------------
     def _round(self, k: int) -> dict[str, Any]:
+        """Inner steps of outer step ``k`` on every worker; the fragment syncs due in them run
+        inside the workers (``ReplicaWorker.train``). Returns the metrics row."""
         import ray
 
         cfg = self.cfg
         start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
         t0 = time.perf_counter()
         workers = all_workers(self.replicas)
-        train_refs = [w.train.remote(start, end) for w in workers]
+        metrics = ray.get([w.train.remote(start, end) for w in workers])
+        wall = time.perf_counter() - t0
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len
-        if cfg.algorithm == "diloco":
-            results = []
-            for p in range(self.num_fragments):
-                deltas = [r.rank0.pseudo_gradient.remote(p) for r in self.replicas]
-                weights = [float(n_tokens / len(self.replicas))] * len(self.replicas)
-                results.append(self.outer.step.remote(p, weights, *deltas))
-            metrics = ray.get(train_refs)
-            t_compute_done = time.perf_counter()
-            outs = ray.get(results)
-            ray.get([w.load_global.remote(p, out["global"]) for p, out in enumerate(outs) for w in workers])
-            sent = sum(out["bytes_received"] for out in outs)
-            received = 4 * self.num_params * len(self.replicas)  # each replica reads the fp32 global params
-            row["pseudo_grad_norm"] = {f"replica_{m}": v for m, v in enumerate(outs[0]["delta_norms"])} \
-                if self.num_fragments == 1 else None
-            row["outer_update_norm"] = float(np.sqrt(sum(out["update_norm"] ** 2 for out in outs)))
-        else:
-            metrics = ray.get(train_refs)
-            t_compute_done = time.perf_counter()
-            sent = received = 0
-        wall = time.perf_counter() - t0
-        self.state.outer_step, self.state.inner_step = k, end
-        self.state.tokens += n_tokens
-        self.state.bytes_sent += sent
-        self.state.bytes_received += received
+        # bytes on the slow link: each replica's rank 0 (DiLoCo), every rank (DP's all-reduce)
+        rank0 = metrics if cfg.algorithm == "dp" else [mtr for mtr in metrics if mtr["rank"] == 0]
+        sent = sum(mtr["link"]["bytes_up"] for mtr in rank0)
+        received = sum(mtr["link"]["bytes_down"] for mtr in rank0)
+        st = self.state
+        st.outer_step, st.inner_step = k, end
+        st.tokens += n_tokens
+        st.bytes_sent += sent
+        st.bytes_received += received
+        st.peak_sync_bytes = max([st.peak_sync_bytes] + [mtr["link"].get("peak_event_bytes", 0) for mtr in rank0])
+        st.sync_events += sum(mtr["link"].get("events", 0) for mtr in rank0)
+        if self.outer is not None:
+            rounds = ray.get(self.outer.take_stats.remote())
+            if rounds:
+                row["outer_update_norm"] = float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds)))
+                norms = np.sqrt(np.sum([np.square(r["delta_norms"]) for r in rounds], axis=0))
+                row["pseudo_grad_norm"] = {f"replica_{m}": float(v) for m, v in enumerate(norms)}
+                row["fragment_syncs"] = len(rounds)
         by_replica: dict[int, dict[str, Any]] = {}
         for mtr in metrics:
             by_replica.setdefault(mtr["replica"], mtr)
         losses = [by_replica[m]["train_loss"] for m in sorted(by_replica)]
-        compute_s = max(mtr["compute_s"] for mtr in metrics)
+        compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
+        st.inner_compute_s += compute_s
+        st.train_wall_s += wall
         row.update({
             "train_loss": float(np.mean(losses)),
             "train_loss_replica": {f"replica_{m}": v for m, v in enumerate(losses)},
             "inner_lr": metrics[0]["inner_lr"],
-            "tokens": self.state.tokens,
+            "tokens": st.tokens,
             "tokens_per_s": n_tokens / wall if wall > 0 else None,
             "inner_compute_s": compute_s,
-            "outer_wait_s": max(0.0, wall - (t_compute_done - t0)) if cfg.algorithm == "diloco" else 0.0,
+            "sync_wait_s": float(np.max([mtr["sync_wait_s"] for mtr in metrics])),
+            "outer_wait_s": max(0.0, wall - compute_s),
+            "compute_utilisation": compute_s / wall if wall > 0 else None,
             "round_s": wall,
             "bytes_sent": sent,
             "bytes_received": received,
-            "bytes_sent_total": self.state.bytes_sent,
-            "bytes_received_total": self.state.bytes_received,
+            "bytes_sent_total": st.bytes_sent,
+            "bytes_received_total": st.bytes_received,
+            "peak_sync_bytes": st.peak_sync_bytes,
         })
         if cfg.run.log_hashes:
             row["data_digest"] = [mtr["data_digest"] for mtr in metrics]
             if self.outer is not None:
+                self._settle()
                 row.update({f"{k}_sha256": v for k, v in ray.get(self.outer.state_hash.remote()).items()})
-            row["worker_global_sha256"] = ray.get([w.params_hash.remote() for w in workers])
+            row["worker_global_sha256"] = ray.get([w.global_hash.remote() for w in workers])
         return row
+
+    def _settle(self) -> None:
+        """Wait until every sync sent so far is answered by the driver (before eval, checkpoint
+        or export); raises the first failed exchange instead of waiting on the others."""
+        import ray
+
+        if self.outer is not None:
+            ray.get([w.settle.remote() for w in all_workers(self.replicas)])
 
     def evaluate(self) -> float:
         """Validation loss (nats/token) of the global parameters over the whole validation split,
         spread across all workers."""
         import ray
 
+        self._settle()
+        globals_ = ray.get(self.outer.global_refs.remote()) if self.outer is not None else None
         workers = all_workers(self.replicas)
         n = val_windows(self.corpus.val, self.cfg.data.seq_len)
         chunks = np.array_split(np.arange(n), len(workers))
-        parts = ray.get([w.evaluate.remote(c) for w, c in zip(workers, chunks) if len(c)])
+        parts = ray.get([w.evaluate.remote(c, globals_) for w, c in zip(workers, chunks) if len(c)])
         total = sum(p[0] for p in parts)
         count = sum(p[1] for p in parts)
         return total / count
@@ -266,6 +306,7 @@ class Trainer:
         """Gather the outer state and every worker's state and write them atomically."""
         import ray
 
+        self._settle()
         workers_state = {}
         calls = []
         keys = []
@@ -282,9 +323,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "corpus_fingerprint": self.corpus.fingerprint,
             "custom_model": self.model_fn is not None,
-            "counters": {"outer_step": st.outer_step, "inner_step": st.inner_step, "tokens": st.tokens,
-                         "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
-                         "last_eval": st.last_eval, "evals": st.evals},
+            "counters": dataclasses.asdict(st),
             "outer": ray.get(self.outer.state_dict.remote()) if self.outer is not None else None,
             "workers": workers_state,
         }
@@ -294,6 +333,7 @@ class Trainer:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
         import ray
 
+        self._settle()
         if self.outer is not None:
             return ray.get(self.outer.global_params.remote())
         w0 = self.replicas[0].rank0
@@ -482,6 +522,11 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             if timing["wall_s"] > 0 else None,
             "bytes_sent": st.bytes_sent,
             "bytes_received": st.bytes_received,
+            "communication": communication_summary(
+                trainer.num_params, st.inner_step, cfg.num_shards if cfg.algorithm == "dp" else cfg.diloco.replicas,
+                st.bytes_sent, st.bytes_received, st.peak_sync_bytes),
+            "compute_utilisation": st.inner_compute_s / st.train_wall_s if st.train_wall_s > 0 else None,
+            "fragments": trainer.num_fragments,
             "run_dir": str(run_dir),
             "export_dir": str(export_dir),
             "config": cfg.to_dict(),

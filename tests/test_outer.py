@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ray_diloco.config import OuterConfig
-from ray_diloco.outer import OuterOptimizer, OuterOptimizerActor, average_pseudo_gradients
+from ray_diloco.outer import OuterOptimizer, average_pseudo_gradients
 
 
 def _deltas(seed, n, m):
@@ -68,18 +68,35 @@ def test_state_dict_round_trip_continues_identically():
     assert a.state_hash() == b.state_hash()
 
 
-def test_actor_receives_pseudo_gradients_through_the_object_store(ray_session):
+@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
+    """Two replicas' wire messages reach the driver actor through the object store; the round
+    completes once both are in, both get the same reply, and the driver's global parameters
+    equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do)."""
+    from ray_diloco.config import load_config
+    from ray_diloco.exchange import apply_downlink
+    from ray_diloco.outer import OuterDriverActor
+    from ray_diloco.quantize import quantize_message
+
     ray = ray_session
+    cfg = load_config({"streaming": {"quantization": fmt}})
     theta0 = np.random.default_rng(5).standard_normal(1001).astype(np.float32)
-    actor = OuterOptimizerActor.remote([theta0], OuterConfig())
-    local = OuterOptimizer([theta0], OuterConfig())
-    for step in range(3):
-        ds = _deltas(10 + step, 1001, 2)
-        refs = [ray.put(d) for d in ds]
-        out = ray.get(actor.step.remote(0, [1.0, 1.0], *refs))
-        local.step(0, [1.0, 1.0], *ds)
-        assert isinstance(out["global"], ray.ObjectRef)
-        assert np.array_equal(ray.get(out["global"]), local.params[0].numpy())
-        assert out["bytes_received"] == 2 * 1001 * 4
-    assert ray.get(actor.state_hash.remote()) == local.state_hash()
-    ray.kill(actor)
+    driver = OuterDriverActor.remote([theta0], cfg.to_dict())
+    local = OuterOptimizer([theta0], cfg.outer, fmt)
+    held = torch.tensor(theta0)  # what a replica holds
+    for k in (1, 2, 3):
+        ds = _deltas(10 + k, 1001, 2)
+        msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
+        first = driver.exchange.remote(0, k, 0, 1.0, msgs[0])
+        ready, _ = ray.wait([first], timeout=0.5)
+        assert not ready  # the round waits for the second replica
+        replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1])])
+        assert replies[0] == replies[1]
+        out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
+        assert replies[0] == out["message"]
+        held = apply_downlink(held, replies[0])
+        (glob,) = ray.get(driver.global_params.remote())
+        assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
+    assert ray.get(driver.state_hash.remote()) == local.state_hash()
+    assert ray.get(driver.pending_rounds.remote()) == 0  # collected rounds are not kept
+    ray.kill(driver)

@@ -13,6 +13,7 @@ from ray_diloco.config import load_config
 from ray_diloco.data import ShardReader, val_windows
 from ray_diloco.fragments import flatten, param_specs, plan_fragments
 from ray_diloco.model import lm_loss, logits_of
+from ray_diloco.quantize import message_nbytes
 from ray_diloco.replica import build_model, evaluate_loss, make_inner_optimizer
 from ray_diloco.schedules import inner_lr
 from ray_diloco.trainer import Trainer, _new_run_dir, train
@@ -77,7 +78,9 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
             assert row["global_sha256"] != prev  # the outer step moved the global parameters
             prev = row["global_sha256"]
             assert len(set(row["data_digest"])) == 2  # the replicas read different data
-            assert row["bytes_sent"] == 2 * 4 * t.num_params == row["bytes_received"]
+            # fp32 out and back, plus the 13-byte message header
+            assert row["bytes_sent"] == 2 * message_nbytes(t.num_params, "none") == row["bytes_received"]
+            assert message_nbytes(t.num_params, "none") == 4 * t.num_params + 13
     finally:
         t.shutdown()
 
@@ -121,7 +124,8 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
         locals_ = ray.get([r.rank0.local_fragment.remote(0) for r in t.replicas])
         for loc in locals_:
             assert np.array_equal(loc, g1)
-        assert row["bytes_sent"] == 2 * 4 * (7 * corpus.vocab_size + 105 + 15 * corpus.vocab_size + corpus.vocab_size + 1)
+        assert row["bytes_sent"] == 2 * message_nbytes(7 * corpus.vocab_size + 105 + 15 * corpus.vocab_size
+                                                        + corpus.vocab_size + 1, "none")
     finally:
         t.shutdown()
 
