@@ -1,4 +1,4 @@
-"""The ``ray-diloco`` command: train, eval, generate, config.
+"""The ``ray-diloco`` command: train, eval, generate, config, plan.
 
 Errors in input, data, checkpoints or cluster size print one line each (``error: ...``) and
 exit with status 2, without a traceback.
@@ -45,6 +45,14 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="print the resolved config as YAML (after --config and --set)")
     _add_config_args(c)
+
+    pl = sub.add_parser("plan", help="fragments, sync steps and bytes per replica of a run, from its config")
+    pl.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
+                    help="YAML file or preset name (default: the built-in defaults)")
+    _add_config_args(pl)
+    pl.add_argument("--from-step", type=int, default=0, help="list the syncs after this inner step (default 0)")
+    pl.add_argument("--next", type=int, default=3, dest="upcoming", help="sync steps listed per fragment (default 3)")
+    pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
     return ap
 
 
@@ -84,6 +92,24 @@ def _cmd_config(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(a: argparse.Namespace) -> int:
+    import json
+
+    from .config import load_config
+    from .plan import format_plan, sync_plan
+
+    if a.config_file is not None and a.config is not None:
+        raise RayDilocoError(f"plan: give the config once (CONFIG {a.config_file!r} or --config {a.config!r})")
+    if a.from_step < 0 or a.upcoming < 0:
+        raise RayDilocoError(f"--from-step = {a.from_step}, --next = {a.upcoming}: must be >= 0")
+    p = sync_plan(load_config(a.config_file or a.config, a.overrides), a.from_step, a.upcoming)
+    print(format_plan(p))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(p, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ray-diloco`` console script; returns the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -95,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
-    handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config}
+    handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
+                "plan": _cmd_plan}
     try:
         return handlers[a.command](a)
     except RayDilocoError as e:

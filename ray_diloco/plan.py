@@ -1,0 +1,134 @@
+"""``ray-diloco plan``: the fragments of a run, when each one syncs and how many bytes move.
+
+Everything is computed from the config alone (the model is built on the ``meta`` device, so
+no memory is allocated even for the 10B preset): the fragment partition
+(``fragments.plan_fragments``), the sync schedule (``schedules.SyncSchedule``) and the wire
+sizes of the chosen quantisation (``quantize.message_nbytes``), next to the data-parallel
+equivalent (``exchange.dp_equivalent_bytes``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .config import Config
+from .errors import ConfigError
+from .exchange import DP_FORMULA, dp_equivalent_bytes
+from .fragments import block_index, param_specs
+from .model import build_transformers_model, resolve_model_shape
+from .quantize import message_nbytes
+from .replica import fragment_plan
+from .schedules import SyncSchedule
+
+
+def plan_vocab_size(cfg: Config) -> int:
+    """The vocabulary size a run would use: ``model.vocab_size``, the tokenizer's, or the
+    character vocabulary of the local corpus.
+
+    Raises:
+        DataError: the tokenizer or corpus cannot be loaded.
+    """
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    if cfg.data.tokenizer == "bpe":
+        return cfg.data.bpe_vocab_size
+    if cfg.data.tokenizer != "char":
+        from .data import build_tokenizer
+
+        return len(build_tokenizer(cfg.data, []))
+    from .data import load_corpus
+
+    return load_corpus(cfg.data).vocab_size
+
+
+def _describe(names: tuple[str, ...]) -> str:
+    blocks = sorted({b for n in names if (b := block_index(n)) is not None})
+    other = [n for n in names if block_index(n) is None]
+    parts = []
+    if blocks:
+        parts.append("blocks " + ",".join(map(str, blocks)))
+    if other:
+        parts.append(", ".join(other) if len(other) <= 2 else f"{other[0]} ... ({len(other)} tensors)")
+    return "; ".join(parts)
+
+
+def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, Any]:
+    """The run's fragments, their next ``upcoming`` sync steps after ``from_step`` and the bytes
+    one replica sends and receives per sync and over the run.
+
+    Raises:
+        ConfigError: the model cannot be cut into the configured fragments or tau does not fit.
+        DataError: the vocabulary size cannot be determined.
+    """
+    vocab = plan_vocab_size(cfg)
+    shape = resolve_model_shape(cfg.model, vocab)
+    with torch.device("meta"):
+        model = build_transformers_model(shape, shape["vocab_size"])
+    specs = param_specs(model)
+    try:
+        frags = fragment_plan(cfg, specs)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    F, T, H = len(frags), cfg.run.steps, cfg.diloco.H
+    sched = SyncSchedule(H, F, cfg.streaming.overlap_steps, T)
+    fmt = cfg.streaming.quantization
+    sends = sched.sends_between(0, T)
+    rows = []
+    for f in frags:
+        up = message_nbytes(f.numel, fmt)
+        steps = [t for t, g, _ in sends if g == f.index]
+        rows.append({"fragment": f.index, "contents": _describe(f.names), "params": f.numel, "offset": sched.offset(f.index),
+                     "next_syncs": [t for t in steps if t > from_step][:upcoming], "syncs": len(steps),
+                     "bytes_up_per_sync": up, "bytes_down_per_sync": up})
+    n = sum(f.numel for f in frags)
+    M = cfg.diloco.replicas
+    total_up = sum(r["bytes_up_per_sync"] * r["syncs"] for r in rows)
+    total_down = sum(r["bytes_down_per_sync"] * r["syncs"] for r in rows)
+    dp32 = 2 * dp_equivalent_bytes(n, T, M, 4)
+    return {
+        "algorithm": cfg.algorithm, "params": n, "fragments": F, "H": H, "overlap_steps": sched.overlap,
+        "steps": T, "quantization": fmt, "replicas": M, "rows": rows,
+        "bytes_up_per_replica": total_up, "bytes_down_per_replica": total_down,
+        "peak_sync_bytes": max(r["bytes_up_per_sync"] + r["bytes_down_per_sync"] for r in rows),
+        "dp_fp32_bytes_per_replica": dp32, "dp_bf16_bytes_per_replica": 2 * dp_equivalent_bytes(n, T, M, 2),
+        "dp_formula": DP_FORMULA,
+        "fewer_bytes_than_dp_fp32": dp32 / (total_up + total_down) if total_up and dp32 else None,
+    }
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(b) < 1000 or unit == "TB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1000
+    return str(b)
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """A readable table of :func:`sync_plan`."""
+    lines = [f"{p['algorithm']}: {p['params']:,} parameters in {p['fragments']} fragment(s); H={p['H']}, "
+             f"tau={p['overlap_steps']}, {p['steps']} steps, quantization {p['quantization']}, M={p['replicas']}",
+             "",
+             f"{'frag':>4}  {'params':>12}  {'offset':>6}  {'syncs':>5}  {'up/sync':>10}  {'down/sync':>10}  "
+             f"{'next syncs':<18}  contents"]
+    for r in p["rows"]:
+        nxt = ",".join(map(str, r["next_syncs"])) or "-"
+        lines.append(f"{r['fragment']:>4}  {r['params']:>12,}  {r['offset']:>6}  {r['syncs']:>5}  "
+                     f"{_fmt_bytes(r['bytes_up_per_sync']):>10}  {_fmt_bytes(r['bytes_down_per_sync']):>10}  "
+                     f"{nxt:<18}  {r['contents']}")
+    ratio = p["fewer_bytes_than_dp_fp32"]
+    lines += ["",
+              f"per replica over the run: {_fmt_bytes(p['bytes_up_per_replica'])} up, "
+              f"{_fmt_bytes(p['bytes_down_per_replica'])} down; peak per sync {_fmt_bytes(p['peak_sync_bytes'])}",
+              f"data-parallel equivalent (up + down): {_fmt_bytes(p['dp_fp32_bytes_per_replica'])} fp32, "
+              f"{_fmt_bytes(p['dp_bf16_bytes_per_replica'])} bf16"
+              + (f"; {ratio:,.0f}x fewer bytes than fp32 DP" if ratio else ""),
+              f"  ({p['dp_formula']})"]
+    if p["algorithm"] != "diloco":
+        lines.insert(1, "note: algorithm dp all-reduces every step; the rows show what DiLoCo would exchange")
+    return "\n".join(lines)
+
+
+__all__ = ["format_plan", "plan_vocab_size", "sync_plan"]
