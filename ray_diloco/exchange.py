@@ -105,14 +105,15 @@ class Link:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
 
-    def exchange(self, fragment: int, round_: int, weight: float, delta: torch.Tensor | None,
+    def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
                  old_global: torch.Tensor) -> Future:
-        """Start one fragment sync in the background; returns a ``Future[SyncResult]``.
+        """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
+        ``Future[SyncResult]``.
 
         ``delta`` (fp32 ``[numel_p]``, owned by the link from now on) is required on rank 0 and
         ignored on other ranks. ``old_global`` must not change until the future is done.
         """
-        return self._pool.submit(self._run, fragment, round_, weight, delta, old_global)
+        return self._pool.submit(self._run, fragment, step, weight, delta, old_global)
 
     def _sleep(self, nbytes: int) -> None:
         d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
@@ -120,7 +121,7 @@ class Link:
             time.sleep(d)
             self.stats.emulated_delay_s += d
 
-    def _run(self, fragment: int, round_: int, weight: float, delta: torch.Tensor | None,
+    def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
              old_global: torch.Tensor) -> SyncResult:
         import ray
 
@@ -133,9 +134,9 @@ class Link:
                 self.residuals[fragment] = (delta if residual is None else delta + residual) - sent
             up = len(message)
             self._sleep(up)
-            reply = ray.get(self.driver.exchange.remote(fragment, round_, self.replica, weight, message))
+            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message))
         else:
-            reply = ray.get(self.driver.result.remote(fragment, round_))
+            reply = ray.get(self.driver.result.remote(fragment, step))
         down = len(reply)
         self._sleep(down)
         new_global = apply_downlink(old_global, reply)

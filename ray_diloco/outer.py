@@ -165,7 +165,7 @@ class OuterOptimizer:
 class _Round:
     """One fragment sync in progress on the driver: pseudo-gradients in, one reply out."""
 
-    deltas: dict[int, tuple[float, np.ndarray]] = field(default_factory=dict)
+    deltas: dict[int, tuple[float, np.ndarray]] = field(default_factory=dict)  # replica -> (weight, delta)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     reply: bytes | None = None
     fetched: int = 0
@@ -178,9 +178,9 @@ class OuterDriver:
 
     Each replica's rank 0 calls :meth:`exchange` from its link thread (see ``exchange.Link``);
     the call returns when the round is complete, with the reply bytes. Other ranks of the
-    replica call :meth:`result`. Rounds are keyed ``(fragment, round)`` from the pure
-    schedule, so every process agrees on them after any restart; replicas' pseudo-gradients
-    are averaged in replica order, so the result does not depend on arrival order.
+    replica call :meth:`result`. A round is keyed ``(fragment, send step)`` from the pure
+    schedule, so every process agrees on it after any restart; replicas' pseudo-gradients are
+    averaged in replica order, so the result does not depend on arrival order.
 
     Args:
         initial: fp32 ``[numel_p]`` per fragment. cfg: the run config (dict).
@@ -194,48 +194,49 @@ class OuterDriver:
         self.num_replicas = c.diloco.replicas
         self.receivers = c.diloco.replicas * c.diloco.workers_per_replica
         self.rounds: dict[tuple[int, int], _Round] = {}
-        self.completed = [0] * len(self.opt.params)  # last completed round per fragment
+        self.completed = [0] * len(self.opt.params)  # send step of the last completed round per fragment
         self.stats: list[dict[str, Any]] = []
 
-    def _round(self, fragment: int, round_: int) -> _Round:
+    def _round(self, fragment: int, step: int) -> _Round:
         if not 0 <= fragment < len(self.opt.params):
             raise ValueError(f"fragment {fragment} out of range [0, {len(self.opt.params)})")
-        if round_ <= self.completed[fragment] and (fragment, round_) not in self.rounds:
-            raise ValueError(f"fragment {fragment} round {round_} already completed and collected")
-        return self.rounds.setdefault((fragment, round_), _Round())
+        if step <= self.completed[fragment] and (fragment, step) not in self.rounds:
+            raise ValueError(f"fragment {fragment}: the round sent at step {step} is already completed and collected")
+        return self.rounds.setdefault((fragment, step), _Round())
 
-    async def exchange(self, fragment: int, round_: int, replica: int, weight: float, message: bytes) -> bytes:
-        """Submit replica ``replica``'s quantised pseudo-gradient (wire message) for a round,
-        weighted by ``weight`` (tokens); returns the reply once the round completes.
+    async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes) -> bytes:
+        """Submit replica ``replica``'s quantised pseudo-gradient (wire message) of ``fragment``
+        sent at inner step ``step``, weighted by ``weight`` (tokens); returns the reply once every
+        replica has sent.
 
         Raises:
             ValueError: bad fragment/round/replica, a duplicate submission, a malformed message.
         """
-        r = self._round(fragment, round_)
+        r = self._round(fragment, step)
         if not 0 <= replica < self.num_replicas or replica in r.deltas:
-            raise ValueError(f"replica {replica}: invalid or duplicate for fragment {fragment} round {round_}")
+            raise ValueError(f"replica {replica}: invalid or duplicate for fragment {fragment} at step {step}")
         r.deltas[replica] = (float(weight), decode(from_message(message)))
         r.bytes_up += len(message)
         if len(r.deltas) == self.num_replicas:
             order = sorted(r.deltas)
             out = self.opt.step(fragment, [r.deltas[m][0] for m in order], *[r.deltas[m][1] for m in order])
             r.reply, r.deltas = out["message"], {}
-            self.stats.append({"fragment": fragment, "round": round_, "update_norm": out["update_norm"],
+            self.stats.append({"fragment": fragment, "step": step, "update_norm": out["update_norm"],
                                "delta_norms": out["delta_norms"], "bytes_up": r.bytes_up,
                                "bytes_down": len(out["message"]) * self.num_replicas})
-            self.completed[fragment] = round_
+            self.completed[fragment] = step
             r.done.set()
-        return await self._collect(fragment, round_, r)
+        return await self._collect(fragment, step, r)
 
-    async def result(self, fragment: int, round_: int) -> bytes:
+    async def result(self, fragment: int, step: int) -> bytes:
         """The reply of a round for a rank > 0 of some replica (waits for the round)."""
-        return await self._collect(fragment, round_, self._round(fragment, round_))
+        return await self._collect(fragment, step, self._round(fragment, step))
 
-    async def _collect(self, fragment: int, round_: int, r: _Round) -> bytes:
+    async def _collect(self, fragment: int, step: int, r: _Round) -> bytes:
         await r.done.wait()
         r.fetched += 1
         if r.fetched >= self.receivers:
-            self.rounds.pop((fragment, round_), None)
+            self.rounds.pop((fragment, step), None)
         return r.reply
 
     def take_stats(self) -> list[dict[str, Any]]:
@@ -254,7 +255,7 @@ class OuterDriver:
         return self.opt.global_params()
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state plus the completed round per fragment."""
+        """The outer optimiser's state plus the last completed send step per fragment."""
         return {**self.opt.state_dict(), "completed": list(self.completed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -78,7 +78,7 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
     rows = []
     for f in frags:
         up = message_nbytes(f.numel, fmt)
-        steps = [t for t, g, _ in sends if g == f.index]
+        steps = [t for t, g in sends if g == f.index]
         rows.append({"fragment": f.index, "contents": _describe(f.names), "params": f.numel, "offset": sched.offset(f.index),
                      "next_syncs": [t for t in steps if t > from_step][:upcoming], "syncs": len(steps),
                      "bytes_up_per_sync": up, "bytes_down_per_sync": up})

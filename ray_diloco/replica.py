@@ -87,7 +87,6 @@ class PendingSync:
     value was restored from the driver's checkpoint into ``global_flat``."""
 
     fragment: int
-    round: int
     send_step: int
     apply_step: int
     future: Future | None
@@ -240,11 +239,10 @@ class ReplicaWorker:
         delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
         weight = float((t - self.last_send[f]) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size)
         self.last_send[f] = t
-        k = self.schedule.round_of(f, t)
-        fut = self.link.exchange(f, k, weight, delta, g)
-        self.pending.append(PendingSync(f, k, t, self.schedule.apply_step(t), fut))
+        fut = self.link.exchange(f, t, weight, delta, g)
+        self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut))
         if self.cfg.run.trace_syncs:
-            self.trace.append({"fragment": f, "round": k, "send_step": t, "old_global": g.clone(),
+            self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),
                                "local_at_send": local})
 
     def _merge(self, e: PendingSync) -> float:
@@ -259,7 +257,7 @@ class ReplicaWorker:
         self.global_flat[e.fragment] = new
         unflatten_into(self.params, frag, merged)
         if self.cfg.run.trace_syncs:
-            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["round"] == e.round)
+            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
             rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
                         "merged": merged.clone()})
         return waited
@@ -394,7 +392,7 @@ class ReplicaWorker:
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
                  "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
-                 "pending": [[e.fragment, e.round, e.send_step, e.apply_step] for e in self.pending]}
+                 "pending": [[e.fragment, e.send_step, e.apply_step] for e in self.pending]}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
             state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
@@ -416,7 +414,7 @@ class ReplicaWorker:
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
         self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
-        self.pending = [PendingSync(f, k, s, a, None) for f, k, s, a in state.get("pending", [])]
+        self.pending = [PendingSync(f, s, a, None) for f, s, a in state.get("pending", [])]
         if self.link is not None:
             self.link.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
                                    for f, r in state.get("residuals", {}).items()}

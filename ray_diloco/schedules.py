@@ -98,18 +98,10 @@ class SyncSchedule:
         """The step at which a send at ``send_step`` is merged: ``min(send_step + tau, T)``."""
         return min(send_step + self.overlap, self.total_steps)
 
-    def round_of(self, f: int, t: int) -> int:
-        """1-based count of ``f``'s sends up to and including step ``t`` (its sync round id,
-        the key the driver and every replica use for that exchange)."""
-        last = self.last_scheduled(f, t)
-        n = 0 if last == 0 else (last - self.offset(f)) // self.H + (1 if self.offset(f) > 0 else 0)
-        if t == self.total_steps and f in self.sends_at(t) and not self._scheduled(f, t):
-            n += 1
-        return n
-
-    def sends_between(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """``(step, fragment, round)`` of every send with ``start < step <= end``, in order."""
-        return [(t, f, self.round_of(f, t)) for t in self._candidate_steps(start, end) for f in self.sends_at(t)]
+    def sends_between(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``(step, fragment)`` of every send with ``start < step <= end``, in order. A sync
+        round is keyed by its fragment and send step everywhere."""
+        return [(t, f) for t in self._candidate_steps(start, end) for f in self.sends_at(t)]
 
     def _candidate_steps(self, start: int, end: int) -> list[int]:
         steps = {self.total_steps} if start < self.total_steps <= end else set()

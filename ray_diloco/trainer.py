@@ -247,6 +247,11 @@ class Trainer:
                 norms = np.sqrt(np.sum([np.square(r["delta_norms"]) for r in rounds], axis=0))
                 row["pseudo_grad_norm"] = {f"replica_{m}": float(v) for m, v in enumerate(norms)}
                 row["fragment_syncs"] = len(rounds)
+                per_fragment: dict[str, int] = {}
+                for r in rounds:  # up + down, all replicas, per fragment sync completed in this outer step
+                    key = f"fragment_{r['fragment']}"
+                    per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
+                row["sync_bytes_fragment"] = per_fragment
         by_replica: dict[int, dict[str, Any]] = {}
         for mtr in metrics:
             by_replica.setdefault(mtr["replica"], mtr)
@@ -386,7 +391,8 @@ class Trainer:
 
 #: Fields a resumed run cannot change: they shape the parameters, the shards or the data stream.
 FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "diloco.H", "model", "data",
-                   "run.seed", "inner.global_batch")
+                   "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
+                   "streaming.pattern", "streaming.overlap_steps")
 
 
 def _check_resumable(cfg: Config, saved: Config) -> None:

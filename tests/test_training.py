@@ -224,6 +224,9 @@ def test_resume_refuses_structural_changes(tmp_path):
     assert len(e.value.problems) == 2 and any("diloco.replicas = 1" in p for p in e.value.problems)
     with pytest.raises(ConfigError, match="diloco.H"):
         _check_resumable(load_config(tiny_overrides(tmp_path, diloco__H=10)), saved)
+    with pytest.raises(ConfigError, match="streaming.fragments = 2: the checkpoint was trained with 1"):
+        _check_resumable(load_config(tiny_overrides(tmp_path, streaming__fragments=2)), saved)
+    _check_resumable(load_config(tiny_overrides(tmp_path, streaming__quantization="int8")), saved)  # allowed
     with pytest.raises(CheckpointError, match="parameters"):
         model_with_params(saved, [np.zeros(10, np.float32)], 50)
     from ray_diloco.trainer import prepare
