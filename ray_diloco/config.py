@@ -117,6 +117,7 @@ class StreamingConfig:
     alpha: float = 0.0  # merge: theta <- alpha * theta_local + (1 - alpha) * new_global
     quantization: str = "none"  # wire format of pseudo-gradients and outer updates: none, bf16, fp8_e4m3, int8, fp4_e3m0
     error_feedback: bool = False  # add each round's quantisation residual to the next round's value (both directions)
+    closing_round: str = "average"  # at the last step, fragments off their phase: "average", "outer" step, or "none"
 
 
 @dataclass
@@ -374,6 +375,7 @@ PRECISIONS = ("fp32", "bf16")
 FAMILIES = ("llama", "qwen3")
 TRACKING_MODES = ("auto", "online", "offline", "disabled")
 PATTERNS = ("strided", "sequential")
+CLOSING_ROUNDS = ("average", "outer", "none")
 
 
 def num_fragments(block_fragments: int, extra: int = 2) -> int:
@@ -478,6 +480,8 @@ def validate_config(cfg: Config) -> None:
     need(st.overlap_steps >= 0, "streaming.overlap_steps", st.overlap_steps, "must be an integer >= 0")
     need(0 <= st.alpha <= 1, "streaming.alpha", st.alpha, "must be in [0, 1]")
     need(st.quantization in FORMATS, "streaming.quantization", st.quantization, f"must be one of {', '.join(FORMATS)}")
+    need(st.closing_round in CLOSING_ROUNDS, "streaming.closing_round", st.closing_round,
+         f"must be one of {', '.join(CLOSING_ROUNDS)}")
     if m.preset in PRESETS and not e:
         layers = resolve_model_shape(m, vocab_size=1)["n_layers"]
         P = cfg.block_fragments

@@ -106,14 +106,15 @@ class Link:
         self._lock = threading.Lock()
 
     def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor) -> Future:
+                 old_global: torch.Tensor, average_only: bool = False) -> Future:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
         ``Future[SyncResult]``.
 
         ``delta`` (fp32 ``[numel_p]``, owned by the link from now on) is required on rank 0 and
         ignored on other ranks. ``old_global`` must not change until the future is done.
+        ``average_only``: the driver averages instead of taking an outer step (a closing round).
         """
-        return self._pool.submit(self._run, fragment, step, weight, delta, old_global)
+        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, average_only)
 
     def _sleep(self, nbytes: int) -> None:
         d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
@@ -122,7 +123,7 @@ class Link:
             self.stats.emulated_delay_s += d
 
     def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-             old_global: torch.Tensor) -> SyncResult:
+             old_global: torch.Tensor, average_only: bool) -> SyncResult:
         import ray
 
         t0 = time.perf_counter()
@@ -134,7 +135,7 @@ class Link:
                 self.residuals[fragment] = (delta if residual is None else delta + residual) - sent
             up = len(message)
             self._sleep(up)
-            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message))
+            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, average_only))
         else:
             reply = ray.get(self.driver.result.remote(fragment, step))
         down = len(reply)

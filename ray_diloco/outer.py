@@ -82,10 +82,15 @@ class OuterOptimizer:
         self.residuals: list[torch.Tensor | None] = [None] * len(self.params)
 
     # -- the outer step --------------------------------------------------------------------
-    def step(self, fragment: int, weights: list[float], *deltas: np.ndarray) -> dict[str, Any]:
+    def step(self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
+             ) -> dict[str, Any]:
         """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32.
 
-        The weighted mean (fp32) is the gradient of the fragment's outer optimiser. The reply
+        The weighted mean (fp32) is the gradient of the fragment's outer optimiser; with
+        ``average_only`` (the closing round of a run, see ``SyncSchedule``) the global fragment
+        becomes the weighted mean of the replicas' parameters instead (``global - mean``: outer
+        lr 1, no momentum, optimiser state untouched), so a partial last round does not add a
+        momentum extrapolation. The reply
         for the replicas is then encoded: with ``quantization: none`` the new global values in
         fp32; otherwise the update ``u = new - old`` (plus the downlink residual with error
         feedback) is quantised, and this optimiser's own global fragment is set to
@@ -97,9 +102,13 @@ class OuterOptimizer:
         p = self.params[fragment]
         mean = average_pseudo_gradients(list(deltas), list(weights))
         before = p.clone()
-        p.grad = mean
-        self.opts[fragment].step()
-        p.grad = None
+        if average_only:
+            with torch.no_grad():
+                p.sub_(mean)
+        else:
+            p.grad = mean
+            self.opts[fragment].step()
+            p.grad = None
         self.steps[fragment] += 1
         if self.quantization == "none":
             message = to_message(encode(p, "none"))
@@ -204,10 +213,11 @@ class OuterDriver:
             raise ValueError(f"fragment {fragment}: the round sent at step {step} is already completed and collected")
         return self.rounds.setdefault((fragment, step), _Round())
 
-    async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes) -> bytes:
+    async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes,
+                       average_only: bool = False) -> bytes:
         """Submit replica ``replica``'s quantised pseudo-gradient (wire message) of ``fragment``
         sent at inner step ``step``, weighted by ``weight`` (tokens); returns the reply once every
-        replica has sent.
+        replica has sent. ``average_only``: a closing round (the weighted mean, no outer step).
 
         Raises:
             ValueError: bad fragment/round/replica, a duplicate submission, a malformed message.
@@ -219,7 +229,8 @@ class OuterDriver:
         r.bytes_up += len(message)
         if len(r.deltas) == self.num_replicas:
             order = sorted(r.deltas)
-            out = self.opt.step(fragment, [r.deltas[m][0] for m in order], *[r.deltas[m][1] for m in order])
+            out = self.opt.step(fragment, [r.deltas[m][0] for m in order], *[r.deltas[m][1] for m in order],
+                                average_only=average_only)
             r.reply, r.deltas = out["message"], {}
             self.stats.append({"fragment": fragment, "step": step, "update_norm": out["update_norm"],
                                "delta_norms": out["delta_norms"], "bytes_up": r.bytes_up,

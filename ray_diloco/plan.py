@@ -72,7 +72,7 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     F, T, H = len(frags), cfg.run.steps, cfg.diloco.H
-    sched = SyncSchedule(H, F, cfg.streaming.overlap_steps, T)
+    sched = SyncSchedule(H, F, cfg.streaming.overlap_steps, T, cfg.streaming.closing_round)
     fmt = cfg.streaming.quantization
     sends = sched.sends_between(0, T)
     rows = []

@@ -239,7 +239,7 @@ class ReplicaWorker:
         delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
         weight = float((t - self.last_send[f]) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size)
         self.last_send[f] = t
-        fut = self.link.exchange(f, t, weight, delta, g)
+        fut = self.link.exchange(f, t, weight, delta, g, self.schedule.averages(f, t))
         self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut))
         if self.cfg.run.trace_syncs:
             self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),

@@ -52,20 +52,24 @@ class SyncSchedule:
     ``t_f = floor(f * H / F)``, so every fragment syncs every H steps and some fragment every
     H/F. The new global value of a fragment sent at ``s`` is merged at ``s + tau`` (``tau`` =
     ``overlap``). At the last step ``T`` the run closes: a send still in flight is merged at
-    ``T``, and a fragment whose last merge came before ``T`` sends once more at ``T`` (a cut
-    round, as plain DiLoCo's last round), so the global parameters hold all the training except
-    the up to ``tau`` steps the merge rule discards. With F=1, tau=0 this is DiLoCo's schedule:
-    sends at H, 2H, ... and at T.
+    ``T``, and a fragment whose last merge came before ``T`` sends once more at ``T`` (a closing
+    round), so the global parameters hold all the training except the up to ``tau`` steps the
+    merge rule discards. A closing round averages the replicas instead of taking an outer step
+    (``OuterOptimizer.step(average_only=True)``): a momentum step on a partial round would add
+    an extrapolation the run never trains after. With F=1, tau=0 and T a multiple of H this is
+    DiLoCo's schedule: sends at H, 2H, ..., T.
 
     Args:
         H: inner steps between two syncs of a fragment. num_fragments: F.
         overlap: tau in inner steps (< H / F). total_steps: T.
+        closing: ``"average"``, ``"outer"`` or ``"none"`` (``streaming.closing_round``).
     """
 
     H: int
     num_fragments: int
     overlap: int
     total_steps: int
+    closing: str = "average"
 
     def offset(self, f: int) -> int:
         """``t_f``, the fragment's phase in ``[0, H)`` (steps)."""
@@ -88,11 +92,19 @@ class SyncSchedule:
         for f in range(self.num_fragments):
             if self._scheduled(f, t):
                 out.append(f)
-            elif t == T:
+            elif t == T and self.closing != "none":
                 last = self.last_scheduled(f, T)
                 if last == 0 or last + self.overlap < T:
                     out.append(f)
         return out
+
+    def is_closing(self, f: int, t: int) -> bool:
+        """Whether ``f``'s send at ``t`` is the run's closing round (at T, off its regular phase)."""
+        return t == self.total_steps and not self._scheduled(f, t) and f in self.sends_at(t)
+
+    def averages(self, f: int, t: int) -> bool:
+        """Whether the driver averages (instead of stepping) ``f``'s round sent at ``t``."""
+        return self.closing == "average" and self.is_closing(f, t)
 
     def apply_step(self, send_step: int) -> int:
         """The step at which a send at ``send_step`` is merged: ``min(send_step + tau, T)``."""

@@ -184,7 +184,8 @@ class Trainer:
         if rs is not None:
             check_sizes(self.fragments, global_params(rs))
         if c.algorithm == "diloco":
-            self.schedule = SyncSchedule(c.diloco.H, self.num_fragments, c.streaming.overlap_steps, c.run.steps)
+            self.schedule = SyncSchedule(c.diloco.H, self.num_fragments, c.streaming.overlap_steps, c.run.steps,
+                                         c.streaming.closing_round)
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
                 ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])

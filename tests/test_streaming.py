@@ -92,6 +92,16 @@ def test_schedule_every_fragment_every_H_steps(H, F, tau, T):
         assert all(s.apply_step(a) <= b for a, b in zip(steps, steps[1:]))
 
 
+def test_closing_round_variants():
+    avg, outer, none = (SyncSchedule(6, 2, 1, 20, c) for c in ("average", "outer", "none"))
+    assert avg.sends_between(0, 20) == outer.sends_between(0, 20) == none.sends_between(0, 20) + [(20, 0), (20, 1)]
+    assert [avg.averages(f, 20) for f in (0, 1)] == [True, True] and not outer.averages(0, 20)
+    assert not avg.averages(0, 18) and not none.is_closing(0, 20)
+    # a fragment whose last send is within tau of T only merges early: no closing round for it
+    s = SyncSchedule(6, 2, 2, 17, "average")
+    assert s.sends_between(11, 17) == [(12, 0), (15, 1), (17, 0)]
+
+
 def test_schedule_with_one_fragment_is_diloco():
     for H, T in [(50, 2000), (5, 15), (4, 14)]:
         s = SyncSchedule(H, 1, 0, T)
@@ -208,16 +218,20 @@ def _trainer(cfg, corpus, model_fn=None, resume_state=None):
 def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
     """2 replicas, 2 fragments, H=6, outer SGD lr 2 without momentum, tau in {0, 1}, alpha in
     {0, 0.5, 1}: at every sync new_global == old_global - 2*(old_global - local_at_send) and
-    merged == alpha*local + (1 - alpha)*new_global, bitwise; every worker holds the same."""
+    merged == alpha*local + (1 - alpha)*new_global, bitwise; every worker holds the same.
+    With ``closing_round: outer`` the closing round at T is an outer step like the others; with
+    ``average`` (the default) it is the replicas' mean: new_global == old - (old - local)."""
     import ray
 
-    for alpha in (0.0, 0.5, 1.0):
+    runs = [(alpha, "outer") for alpha in (0.0, 0.5, 1.0)] + ([(0.5, "average")] if tau else [])
+    for alpha, closing in runs:
         cfg = load_config(tiny_overrides(
             tmp_path, diloco__H=6, run__steps=18, run__trace_syncs=True, run__eval_every=0, run__checkpoint_every=0,
             streaming__fragments=2, streaming__overlap_steps=tau, streaming__alpha=alpha,
-            outer__name="sgd", outer__lr=2.0, outer__momentum=0.0,
+            streaming__closing_round=closing, outer__name="sgd", outer__lr=2.0, outer__momentum=0.0,
             inner__lr=2.0 ** -6, inner__beta1=0.0, inner__beta2=0.0, inner__eps=2.0 ** -30, inner__weight_decay=0.0,
-            inner__warmup_steps=0, inner__min_lr_ratio=1.0, inner__grad_clip=0.0, run__name=f"n-{tau}-{alpha}"))
+            inner__warmup_steps=0, inner__min_lr_ratio=1.0, inner__grad_clip=0.0,
+            run__name=f"n-{tau}-{alpha}-{closing}"))
         t = _trainer(cfg, corpus, two_blocks_fn)
         try:
             assert t.num_fragments == 2
@@ -225,18 +239,20 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
                 t._round(k)
             traces = ray.get([r.rank0.sync_trace.remote() for r in t.replicas])
             assert traces[0] and len(traces[0]) == len(traces[1])
-            expected = t.schedule.sends_between(0, 18)
-            assert [(r["send_step"], r["fragment"]) for r in traces[0]] == expected
-            step = 2.0 ** -6 / (1 + 2.0 ** -30)
+            assert [(r["send_step"], r["fragment"]) for r in traces[0]] == t.schedule.sends_between(0, 18)
+            assert sum(t.schedule.is_closing(r["fragment"], r["send_step"]) for r in traces[0]) == 1
+            step = 2.0 ** -6  # the known inner update: AdamW with betas 0 and unit gradients moves by lr
             for a, b in zip(*traces):
                 for key in ("old_global", "local_at_send", "new_global", "local_before_merge", "merged"):
                     assert torch.equal(a[key], b[key]), key  # replicas agree bitwise
                 old, local = a["old_global"], a["local_at_send"]
-                assert torch.equal(a["new_global"], old - 2 * (old - local))
+                if closing == "average" and t.schedule.is_closing(a["fragment"], a["send_step"]):
+                    assert torch.equal(a["new_global"], old - (old - local))
+                else:
+                    assert torch.equal(a["new_global"], old - 2 * (old - local))
                 merge_local = a["local_before_merge"]
                 assert torch.equal(a["merged"], alpha * merge_local + (1 - alpha) * a["new_global"])
-                assert a["apply_step"] == a["send_step"] + tau or a["apply_step"] == 18
-                # the known inner update: tau local steps between send and merge
+                assert a["apply_step"] == min(a["send_step"] + tau, 18)
                 n = a["apply_step"] - a["send_step"]
                 torch.testing.assert_close(merge_local, local - n * step, rtol=0, atol=1e-6)
             final = ray.get(t.outer.global_params.remote())
@@ -245,7 +261,6 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
                 assert last["send_step"] == 18 and np.array_equal(final[f], last["new_global"].numpy())
         finally:
             t.shutdown()
-
 
 
 def _core_diloco_reference(cfg_dict, train_tokens, vocab_size, rounds):
@@ -420,3 +435,22 @@ def test_plan_command_matches_what_a_run_exchanges(ray_session, tmp_path, small_
     assert summary["fragments"] == plan["fragments"] == 4
     bad = run_cli(["plan", "--set", "streaming.overlap_steps=40", "--set", "streaming.fragments=2"], timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "streaming.overlap_steps = 40" in bad.stderr
+
+
+def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus):
+    """Rounds are keyed by send step, so the closing round at T does not collide with the
+    extended schedule: resuming the final checkpoint with more steps trains on."""
+    import ray_diloco
+    from ray_diloco.checkpoint import latest_checkpoint
+    from ray_diloco.trainer import prepare
+
+    over = tiny_overrides(tmp_path, run__name="ext", run__steps=14, diloco__H=8, run__eval_every=0,
+                          run__checkpoint_every=0, streaming__fragments=2, streaming__overlap_steps=1,
+                          streaming__quantization="int8", tracking__wandb=False)
+    first = ray_diloco.train(over, corpus=corpus)
+    assert first["inner_steps"] == 14
+    more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=30"], corpus=corpus)
+    assert more["inner_steps"] == 30 and more["outer_steps"] == 4 and np.isfinite(more["final_eval_loss"])
+    assert more["communication"]["bytes_up_per_replica"] > first["communication"]["bytes_up_per_replica"]
+    step, _ = latest_checkpoint(first["run_dir"])
+    assert step == 4 and prepare(resume=first["run_dir"])[2]["counters"]["inner_step"] == 30
