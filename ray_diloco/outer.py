@@ -208,7 +208,7 @@ class OuterDriver:
 
     def _round(self, fragment: int, step: int) -> _Round:
         if not 0 <= fragment < len(self.opt.params):
-            raise ValueError(f"fragment {fragment} out of range [0, {len(self.opt.params)})")
+            raise ValueError(f"fragment {fragment}: not in [0, {len(self.opt.params)})")
         if step <= self.completed[fragment] and (fragment, step) not in self.rounds:
             raise ValueError(f"fragment {fragment}: the round sent at step {step} is already completed and collected")
         return self.rounds.setdefault((fragment, step), _Round())
@@ -222,10 +222,18 @@ class OuterDriver:
         Raises:
             ValueError: bad fragment/round/replica, a duplicate submission, a malformed message.
         """
+        if not 0 <= replica < self.num_replicas:
+            raise ValueError(f"replica {replica}: not in [0, {self.num_replicas})")
+        if not 0 <= fragment < len(self.opt.params):
+            raise ValueError(f"fragment {fragment}: not in [0, {len(self.opt.params)})")
+        delta = decode(from_message(message))  # malformed input is refused before any state changes
+        if delta.size != self.opt.params[fragment].numel():
+            raise ValueError(f"replica {replica}: fragment {fragment} has {self.opt.params[fragment].numel()} "
+                             f"values, got {delta.size}")
         r = self._round(fragment, step)
-        if not 0 <= replica < self.num_replicas or replica in r.deltas:
-            raise ValueError(f"replica {replica}: invalid or duplicate for fragment {fragment} at step {step}")
-        r.deltas[replica] = (float(weight), decode(from_message(message)))
+        if replica in r.deltas:
+            raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
+        r.deltas[replica] = (float(weight), delta)
         r.bytes_up += len(message)
         if len(r.deltas) == self.num_replicas:
             order = sorted(r.deltas)

@@ -67,6 +67,7 @@ class RunState:
     sync_events: int = 0  # fragment syncs, summed over replicas
     inner_compute_s: float = 0.0  # mean over workers
     train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
+    sync_wait_s: float = 0.0  # seconds the slowest worker's training thread was blocked on the link
     last_eval: float | None = None
     evals: list[tuple[int, float]] = field(default_factory=list)
 
@@ -260,6 +261,7 @@ class Trainer:
         compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
         st.inner_compute_s += compute_s
         st.train_wall_s += wall
+        st.sync_wait_s += float(np.max([mtr["sync_wait_s"] for mtr in metrics]))
         row.update({
             "train_loss": float(np.mean(losses)),
             "train_loss_replica": {f"replica_{m}": v for m, v in enumerate(losses)},
@@ -372,14 +374,18 @@ class Trainer:
         return {"wall_s": wall, "inner_compute_s": compute_total, "outer_wait_s": wait_total}
 
     def shutdown(self) -> None:
-        """Leave process groups, kill the actors, remove the placement groups."""
+        """Leave process groups, kill the actors, remove the placement groups. Workers still busy
+        (blocked on a sync whose peer died) get 10 seconds in all, then are killed."""
         import ray
 
+        refs = []
         for w in all_workers(self.replicas):
             try:
-                ray.get(w.shutdown.remote(), timeout=10)
-            except Exception:
+                refs.append(w.shutdown.remote())
+            except Exception:  # an actor handle that is already dead
                 pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
         stop_replicas(self.replicas)
         if self.outer is not None:
             ray.kill(self.outer)
@@ -533,6 +539,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
                 trainer.num_params, st.inner_step, cfg.num_shards if cfg.algorithm == "dp" else cfg.diloco.replicas,
                 st.bytes_sent, st.bytes_received, st.peak_sync_bytes),
             "compute_utilisation": st.inner_compute_s / st.train_wall_s if st.train_wall_s > 0 else None,
+            "sync_wait_s": st.sync_wait_s,
             "fragments": trainer.num_fragments,
             "run_dir": str(run_dir),
             "export_dir": str(export_dir),

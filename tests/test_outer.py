@@ -99,4 +99,10 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
     assert ray.get(driver.state_hash.remote()) == local.state_hash()
     assert ray.get(driver.pending_rounds.remote()) == 0  # collected rounds are not kept
+    for bad in [(0, 2, 0, 1.0, msgs[0]),  # a round already completed and collected
+                (5, 9, 0, 1.0, msgs[0]),  # no such fragment
+                (0, 9, 7, 1.0, msgs[0]),  # no such replica
+                (0, 9, 0, 1.0, b"junk")]:  # not a wire message
+        with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):
+            ray.get(driver.exchange.remote(*bad))
     ray.kill(driver)
