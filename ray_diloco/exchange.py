@@ -56,12 +56,8 @@ def link_delay_s(nbytes: int, bandwidth_gbps: float | None, latency_ms: float) -
 
 @dataclass
 class LinkStats:
-    """Bytes and seconds on one worker's link to the driver (counted by rank 0 for its replica)."""
+    """Seconds on one worker's link thread (bytes are counted by the worker when it merges)."""
 
-    bytes_up: int = 0
-    bytes_down: int = 0
-    peak_event_bytes: int = 0  # largest up + down of one fragment sync
-    events: int = 0
     emulated_delay_s: float = 0.0
     busy_s: float = 0.0  # wall seconds the link thread spent on exchanges (encode, transfer, wait)
 
@@ -75,8 +71,8 @@ class SyncResult:
     """What a finished exchange hands to the training thread."""
 
     new_global: torch.Tensor  # fp32 [numel_p]
-    bytes_up: int
-    bytes_down: int
+    bytes_up: int  # this worker's message to the driver (0 on ranks > 0)
+    bytes_down: int  # the driver's reply
 
 
 @dataclass
@@ -120,7 +116,8 @@ class Link:
         d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
         if d > 0:
             time.sleep(d)
-            self.stats.emulated_delay_s += d
+            with self._lock:
+                self.stats.emulated_delay_s += d
 
     def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
              old_global: torch.Tensor, average_only: bool) -> SyncResult:
@@ -142,20 +139,13 @@ class Link:
         self._sleep(down)
         new_global = apply_downlink(old_global, reply)
         with self._lock:
-            s = self.stats
-            if self.rank == 0:
-                s.bytes_up += up
-                s.bytes_down += down
-                s.peak_event_bytes = max(s.peak_event_bytes, up + down)
-                s.events += 1
-            s.busy_s += time.perf_counter() - t0
+            self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down)
 
     def take_stats(self) -> dict[str, Any]:
-        """The counters since the last call, then reset (peak is kept over the whole run)."""
+        """The counters since the last call, then reset."""
         with self._lock:
-            out = self.stats.as_dict()
-            self.stats = LinkStats(peak_event_bytes=self.stats.peak_event_bytes)
+            out, self.stats = self.stats.as_dict(), LinkStats()
         return out
 
     def close(self) -> None:

@@ -13,13 +13,13 @@ the AdamW state is kept across outer steps, never reset or averaged.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
 import socket
 import time
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -80,16 +80,36 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, wind
     return total, count
 
 
-@dataclass
+@dataclasses.dataclass
 class PendingSync:
     """A fragment sent at ``send_step`` whose new global value is merged at ``apply_step``.
     ``future`` resolves to an ``exchange.SyncResult``; None after a resume, when the new global
-    value was restored from the driver's checkpoint into ``global_flat``."""
+    value was restored from the driver's checkpoint into ``global_flat`` and ``nbytes`` (up,
+    down) from the worker's."""
 
     fragment: int
     send_step: int
     apply_step: int
     future: Future | None
+    nbytes: tuple[int, int] = (0, 0)
+
+
+@dataclasses.dataclass
+class CommCounters:
+    """Bytes of the syncs this worker merged (counted at the merge, so a sync belongs to the
+    outer step it lands in, also across a resume)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    events: int = 0
+    peak_event_bytes: int = 0  # largest up + down of one sync
+
+    def add(self, up: int, down: int) -> None:
+        """Count one merged sync."""
+        self.bytes_up += up
+        self.bytes_down += down
+        self.events += 1
+        self.peak_event_bytes = max(self.peak_event_bytes, up + down)
 
 
 def fragment_plan(cfg: Config, specs: list[ParamSpec]) -> list[Fragment]:
@@ -163,6 +183,7 @@ class ReplicaWorker:
         self.last_send = [0] * len(self.fragments)
         self.trace: list[dict[str, Any]] = []
         self.dp_bytes, self.dp_delay_s = 0, 0.0
+        self.comm = CommCounters()
         self.optimizer = make_inner_optimizer(self.model, self.cfg)
         self.net: torch.nn.Module = self.model
         self.reader: ShardReader | None = None
@@ -249,8 +270,13 @@ class ReplicaWorker:
         """Merge a finished sync (Streaming DiLoCo, section 2):
         ``theta_local <- alpha * theta_local + (1 - alpha) * new_global``; returns seconds blocked."""
         t0 = time.perf_counter()
-        new = e.future.result().new_global if e.future is not None else self.global_flat[e.fragment]
+        if e.future is not None:
+            res = e.future.result()
+            new, nbytes = res.new_global, (res.bytes_up, res.bytes_down)
+        else:
+            new, nbytes = self.global_flat[e.fragment], e.nbytes
         waited = time.perf_counter() - t0
+        self.comm.add(*nbytes)
         frag, alpha = self.fragments[e.fragment], self.cfg.streaming.alpha
         local = flatten(self.params, frag)
         merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
@@ -278,6 +304,13 @@ class ReplicaWorker:
             if e.future is not None:
                 e.future.result()
         return len(self.pending)
+
+    @staticmethod
+    def _pending_bytes(e: PendingSync) -> tuple[int, int]:
+        if e.future is None:
+            return e.nbytes
+        res = e.future.result()
+        return res.bytes_up, res.bytes_down
 
     def sync_trace(self) -> list[dict[str, Any]]:
         """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
@@ -313,6 +346,7 @@ class ReplicaWorker:
         t_begin = time.perf_counter()
         compute_s = sync_s = wait_s = 0.0
         dp_seen, dp_bytes0 = self.dp_delay_s, self.dp_bytes
+        comm0 = dataclasses.replace(self.comm)
         lr = 0.0
         for step in range(start, end):
             t0 = time.perf_counter()
@@ -359,7 +393,9 @@ class ReplicaWorker:
             "sync_s": sync_s,  # training-thread seconds in sends, merges and waits
             "sync_wait_s": wait_s,  # of which blocked on the link (exposed communication)
             "wall_s": wall_s,
-            "link": self.link.take_stats() if self.link is not None else
+            "link": {"bytes_up": self.comm.bytes_up - comm0.bytes_up, "bytes_down": self.comm.bytes_down - comm0.bytes_down,
+                     "events": self.comm.events - comm0.events, "peak_event_bytes": self.comm.peak_event_bytes,
+                     **self.link.take_stats()} if self.link is not None else
             {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0},
             "data_digest": digest.hexdigest(),
         }
@@ -392,7 +428,8 @@ class ReplicaWorker:
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
                  "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
-                 "pending": [[e.fragment, e.send_step, e.apply_step] for e in self.pending]}
+                 "pending": [[e.fragment, e.send_step, e.apply_step, *self._pending_bytes(e)] for e in self.pending],
+                 "comm": dataclasses.asdict(self.comm)}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
             state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
@@ -414,7 +451,9 @@ class ReplicaWorker:
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
         self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
-        self.pending = [PendingSync(f, s, a, None) for f, s, a in state.get("pending", [])]
+        self.pending = [PendingSync(int(p[0]), int(p[1]), int(p[2]), None, (int(p[3]), int(p[4])))
+                        for p in state.get("pending", [])]
+        self.comm = CommCounters(**state.get("comm", {}))
         if self.link is not None:
             self.link.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
                                    for f, r in state.get("residuals", {}).items()}

@@ -67,7 +67,7 @@ class RunState:
     sync_events: int = 0  # fragment syncs, summed over replicas
     inner_compute_s: float = 0.0  # mean over workers
     train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
-    sync_wait_s: float = 0.0  # seconds the slowest worker's training thread was blocked on the link
+    sync_wait_s: float = 0.0  # seconds a worker's training thread was blocked on the link (mean over workers)
     last_eval: float | None = None
     evals: list[tuple[int, float]] = field(default_factory=list)
 
@@ -261,7 +261,8 @@ class Trainer:
         compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
         st.inner_compute_s += compute_s
         st.train_wall_s += wall
-        st.sync_wait_s += float(np.max([mtr["sync_wait_s"] for mtr in metrics]))
+        sync_wait = float(np.mean([mtr["sync_wait_s"] for mtr in metrics]))  # part of outer_wait_s
+        st.sync_wait_s += sync_wait
         row.update({
             "train_loss": float(np.mean(losses)),
             "train_loss_replica": {f"replica_{m}": v for m, v in enumerate(losses)},
@@ -269,7 +270,7 @@ class Trainer:
             "tokens": st.tokens,
             "tokens_per_s": n_tokens / wall if wall > 0 else None,
             "inner_compute_s": compute_s,
-            "sync_wait_s": float(np.max([mtr["sync_wait_s"] for mtr in metrics])),
+            "sync_wait_s": sync_wait,
             "outer_wait_s": max(0.0, wall - compute_s),
             "compute_utilisation": compute_s / wall if wall > 0 else None,
             "round_s": wall,
@@ -510,6 +511,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         if rs is not None:
             _truncate_metrics(run_dir, rs["outer_step"])
         trainer.start()
+        if rs is not None:
+            print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
+                  f"(inner step {trainer.state.inner_step} of {cfg.run.steps})", file=sys.stderr)
         print(f"run directory: {run_dir}", file=sys.stderr)
         tracker = Tracker(cfg, run_dir, cfg.run.steps, trainer.state.inner_step)
         timing = trainer.run(tracker)

@@ -377,7 +377,8 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
         again = t2._round(3)
     finally:
         t2.shutdown()
-    for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss"):
+    for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss",
+                "bytes_sent", "bytes_received", "bytes_sent_total", "peak_sync_bytes", "sync_bytes_fragment"):
         assert again[key] == rows[2][key], key
 
 
