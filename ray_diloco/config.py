@@ -385,11 +385,14 @@ def num_fragments(block_fragments: int, extra: int = 2) -> int:
 
 
 def check_overlap(H: int, fragments: int, tau: int, errors: list[str]) -> None:
-    """Streaming DiLoCo requires tau < H / fragments, so a fragment's merge lands before the next
-    fragment syncs; appends one line to ``errors`` when it does not hold."""
+    """Streaming DiLoCo requires tau < H / F (F: all fragments), so a fragment's merge lands
+    before the next fragment syncs; appends one line to ``errors`` when it does not hold."""
     if H >= 1 and tau >= 1 and tau * fragments >= H:
-        errors.append(f"streaming.overlap_steps = {tau}: must be < diloco.H / fragments = {H} / {fragments} "
-                      f"= {H / fragments:g} (each fragment's merge must land before the next one syncs)")
+        what = "1 fragment" if fragments == 1 else \
+            f"{fragments} fragments: {fragments - 2} of blocks + embeddings + head" if fragments > 2 else \
+            f"{fragments} fragments"
+        errors.append(f"streaming.overlap_steps = {tau}: must be < diloco.H / F = {H} / {fragments} "
+                      f"= {H / fragments:g} (F = {what}; each fragment's merge must land before the next one syncs)")
 
 
 def validate_config(cfg: Config) -> None:
@@ -490,10 +493,9 @@ def validate_config(cfg: Config) -> None:
         else:
             check_overlap(cfg.diloco.H, num_fragments(P), st.overlap_steps, e)
     n = cfg.network
-    need(n.bandwidth_gbps is None or (n.bandwidth_gbps > 0 and math.isfinite(n.bandwidth_gbps)),
-         "network.bandwidth_gbps", n.bandwidth_gbps, "must be a finite number > 0 Gbit/s (or none: no emulation)")
-    need(n.latency_ms >= 0 and math.isfinite(n.latency_ms), "network.latency_ms", n.latency_ms,
-         "must be a finite number >= 0 milliseconds")
+    need(n.bandwidth_gbps is None or (1e-6 <= n.bandwidth_gbps <= 1e6), "network.bandwidth_gbps",
+         n.bandwidth_gbps, "must be in [1e-6, 1e6] Gbit/s (or none: no emulation)")
+    need(0 <= n.latency_ms <= 60_000, "network.latency_ms", n.latency_ms, "must be in [0, 60000] milliseconds")
 
     r = cfg.run
     need(r.steps >= 1, "run.steps", r.steps, "must be an integer >= 1")

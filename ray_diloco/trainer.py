@@ -553,7 +553,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tracker.finish(summary)
         tracker = None
     except ray.exceptions.RayError as e:
-        raise ClusterError(f"a replica failed: {error_cause(e)}") from None
+        raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
     finally:
         with _signals_deferred():  # a second Ctrl-C must not cut the clean-up short
             if tracker is not None:

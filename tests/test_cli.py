@@ -33,6 +33,12 @@ def _one_error_line(proc, *needles):
     ("data.seq_len=128", ("data.seq_len", "128", "model.context")),
     ("diloco.nope=3", ("diloco.nope", "unknown")),
     ("data.path=/no/such/file.txt", ("data.path", "/no/such/file.txt", "not found")),
+    ("streaming.quantization=fp2", ("streaming.quantization", "fp2", "fp4_e3m0")),
+    ("streaming.alpha=1.5", ("streaming.alpha", "1.5", "[0, 1]")),
+    ("streaming.pattern=random", ("streaming.pattern", "strided")),
+    ("streaming.closing_round=maybe", ("streaming.closing_round", "average")),
+    ("network.latency_ms=1e300", ("network.latency_ms", "[0, 60000]")),
+    ("network.bandwidth_gbps=1e-300", ("network.bandwidth_gbps", "[1e-6, 1e6]")),
 ])
 def test_invalid_input_one_line_no_traceback(override, needles, tmp_path):
     proc = run_cli(["train", "--set", override, "--set", f"run.output_dir={tmp_path}"], timeout=120)
