@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .quantize import decode, from_message, quantize_message
+from .quantize import decode, from_message, quantize_with_feedback
 
 
 def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
@@ -126,10 +126,9 @@ class Link:
         t0 = time.perf_counter()
         up = 0
         if self.rank == 0:
-            residual = self.residuals.get(fragment) if self.error_feedback else None
-            message, sent = quantize_message(delta, self.fmt, residual)
+            message, residual = quantize_with_feedback(delta, self.fmt, self.residuals.get(fragment))
             if self.error_feedback:
-                self.residuals[fragment] = (delta if residual is None else delta + residual) - sent
+                self.residuals[fragment] = residual
             up = len(message)
             self._sleep(up)
             reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, average_only))

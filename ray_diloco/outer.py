@@ -26,7 +26,7 @@ import torch
 
 from .config import OuterConfig
 from .exchange import apply_downlink
-from .quantize import decode, encode, from_message, quantize_message, to_message
+from .quantize import decode, encode, from_message, quantize_with_feedback, to_message
 
 
 def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
@@ -113,11 +113,9 @@ class OuterOptimizer:
         if self.quantization == "none":
             message = to_message(encode(p, "none"))
         else:
-            update = p - before
-            residual = self.residuals[fragment] if self.error_feedback else None
-            message, sent = quantize_message(update, self.quantization, residual)
+            message, residual = quantize_with_feedback(p - before, self.quantization, self.residuals[fragment])
             if self.error_feedback:
-                self.residuals[fragment] = (update if residual is None else update + residual) - sent
+                self.residuals[fragment] = residual
             with torch.no_grad():
                 p.copy_(apply_downlink(before, message))
         return {

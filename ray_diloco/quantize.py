@@ -182,6 +182,19 @@ def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = 
     return to_message(packed), torch.from_numpy(decode(packed))
 
 
+def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+    """Error feedback: encode ``x + residual`` (fp32 ``[n]``; ``residual`` None: zero) and return
+    ``(message, new residual)``, the new residual being what the encoding lost,
+    ``(x + residual) - dequantised``, to add to the next round's value.
+
+    Raises:
+        ValueError: non-finite values.
+    """
+    value = x if residual is None else x + residual
+    message, sent = quantize_message(value, fmt)
+    return message, value - sent
+
+
 def message_nbytes(numel: int, fmt: str) -> int:
     """Length of :func:`to_message` for ``numel`` values in ``fmt`` (header + scales + payload)."""
     n_scales = -(-numel // BLOCK) if fmt in _SCALED else 0
