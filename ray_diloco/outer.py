@@ -256,9 +256,12 @@ class OuterDriver:
             self.rounds.pop((fragment, step), None)
         return r.reply
 
-    def take_stats(self) -> list[dict[str, Any]]:
-        """Per-round figures since the last call (fragment, round, update norm, bytes)."""
-        out, self.stats = self.stats, []
+    def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
+        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
+        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
+        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
+        out = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
+        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
         return out
 
     def global_refs(self) -> list[Any]:
@@ -272,13 +275,15 @@ class OuterDriver:
         return self.opt.global_params()
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state plus the last completed send step per fragment."""
-        return {**self.opt.state_dict(), "completed": list(self.completed)}
+        """The outer optimiser's state, the last completed send step per fragment and the figures
+        of completed rounds not yet reported."""
+        return {**self.opt.state_dict(), "completed": list(self.completed), "stats": copy.deepcopy(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.opt.load_state_dict(state)
         self.completed = list(state.get("completed", [0] * len(self.opt.params)))
+        self.stats = copy.deepcopy(list(state.get("stats", [])))
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the outer optimiser buffers."""

@@ -243,7 +243,9 @@ class Trainer:
         st.peak_sync_bytes = max([st.peak_sync_bytes] + [mtr["link"].get("peak_event_bytes", 0) for mtr in rank0])
         st.sync_events += sum(mtr["link"].get("events", 0) for mtr in rank0)
         if self.outer is not None:
-            rounds = ray.get(self.outer.take_stats.remote())
+            # rounds merged by the end of this outer step (apply step = min(send + tau, T))
+            merged_by = end if end >= cfg.run.steps else end - self.schedule.overlap
+            rounds = ray.get(self.outer.take_stats.remote(merged_by))
             if rounds:
                 row["outer_update_norm"] = float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds)))
                 norms = np.sqrt(np.sum([np.square(r["delta_norms"]) for r in rounds], axis=0))
