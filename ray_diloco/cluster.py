@@ -23,11 +23,17 @@ from .model import ModelFn
 
 @dataclass
 class Replica:
-    """The Ray actors of one replica (rank 0 first) and their placement group."""
+    """The Ray actors of one replica (rank 0 first) and their placement group.
+
+    ``index`` is the replica's id (unique in a run: a replacement gets a new one), ``slot`` the
+    data slot it reads (shards ``slot * W + rank``), ``join_step`` the inner step it joined at.
+    """
 
     index: int
     workers: list[Any]
     placement_group: Any
+    slot: int = 0
+    join_step: int = 0
 
     @property
     def rank0(self) -> Any:
@@ -99,7 +105,7 @@ def check_resources(cfg: Config) -> float:
 
     d = cfg.diloco
     res = ray.cluster_resources()
-    n = cfg.num_shards
+    n = d.replicas * d.workers_per_replica
     have_cpu = res.get("CPU", 0)
     product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
     if d.cpus_per_worker is None:
@@ -126,44 +132,70 @@ def check_resources(cfg: Config) -> float:
     return cpus
 
 
-def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
-                    model_fn: ModelFn | None) -> list[Replica]:
-    """Placement groups and worker actors; process groups formed; data shards opened."""
-    import ray
+def _bundle(cfg: Config) -> dict[str, float]:
+    d = cfg.diloco
+    bundle = {"CPU": d.cpus_per_worker}
+    if d.gpus_per_worker:
+        bundle["GPU"] = d.gpus_per_worker
+    return bundle
+
+
+def _place(cfg: Config, index: int, slot: int, world: int, strategy: str, join_step: int = 0) -> Replica:
     from ray.util.placement_group import placement_group
+
+    pg = placement_group([_bundle(cfg) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{index}")
+    return Replica(index, [], pg, slot, join_step)
+
+
+def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None) -> None:
+    """Create the replica's worker actors in its (placed) placement group."""
+    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from .replica import ReplicaWorker
 
     d = cfg.diloco
-    bundle = {"CPU": d.cpus_per_worker}
-    if d.gpus_per_worker:
-        bundle["GPU"] = d.gpus_per_worker
-    if cfg.algorithm == "dp":  # one DDP group over every worker
-        layout = [(0, cfg.num_shards, "PACK")]
-    else:
-        layout = [(m, d.workers_per_replica, "STRICT_PACK") for m in range(d.replicas)]
     Worker = ray.remote(ReplicaWorker)
+    for rank in range(world):
+        r.workers.append(Worker.options(
+            num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
+        ).remote(cfg.to_dict(), r.index, rank, world, r.slot * world + rank, cfg.num_shards, vocab_size, model_fn))
+
+
+def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
+                   members: list[tuple[int, int, int]] | None = None) -> list[Replica]:
+    """Placement groups and worker actors; process groups formed; data shards opened. Blocks
+    until every replica is placed (``diloco.placement_timeout_s``) and set up.
+
+    ``members``: ``(replica id, slot, join step)`` per replica; default ``(m, m, 0)`` for the
+    ``diloco.replicas`` replicas (DP: one group of every worker).
+
+    Raises:
+        ClusterError: a placement group was not placed in time.
+    """
+    import ray
+
+    d = cfg.diloco
+    if cfg.algorithm == "dp":  # one DDP group over every worker
+        layout = [(0, 0, 0, cfg.num_shards, "PACK")]
+    else:
+        layout = [(m, slot, j, d.workers_per_replica, "STRICT_PACK")
+                  for m, slot, j in (members or [(m, m, 0) for m in range(d.replicas)])]
     replicas: list[Replica] = []
     try:
-        for m, world, strategy in layout:
-            pg = placement_group([dict(bundle) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{m}")
-            replicas.append(Replica(m, [], pg))
+        for m, slot, j, world, strategy in layout:
+            replicas.append(_place(cfg, m, slot, world, strategy, j))
         for r in replicas:
             try:
                 ray.get(r.placement_group.ready(), timeout=d.placement_timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise ClusterError(
                     f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
-                    f"({len(r.placement_group.bundle_specs)} x {bundle}, {layout[0][2]}) was not placed in time"
+                    f"({len(r.placement_group.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time"
                 ) from None
-        for (m, world, _), r in zip(layout, replicas):
-            for rank in range(world):
-                shard = m * world + rank
-                r.workers.append(Worker.options(
-                    num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
-                ).remote(cfg.to_dict(), m, rank, world, shard, cfg.num_shards, vocab_size, model_fn))
+        for (_, _, _, world, _), r in zip(layout, replicas):
+            _spawn(cfg, r, world, vocab_size, model_fn)
         masters = ray.get([r.rank0.node_address.remote() for r in replicas])
         train_ref, val_ref = corpus_refs
         ray.get([w.setup.remote(addr, train_ref, val_ref) for r, addr in zip(replicas, masters) for w in r.workers])
@@ -171,6 +203,58 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int,
         stop_replicas(replicas)  # kills the actors and removes the placement groups
         raise
     return replicas
+
+
+@dataclass
+class ReplicaLaunch:
+    """A replica being started in the background (a replacement or a scale-up): placed, then
+    its actors started, then set up. :meth:`advance` never blocks, so the run keeps training
+    while it waits for resources (a pending placement group is what makes the Ray autoscaler
+    add a node)."""
+
+    replica: Replica
+    requested: float  # time.monotonic() of the request
+    stage: str = "placing"  # placing -> starting -> setup -> ready
+    refs: list[Any] | None = None
+
+    def advance(self, cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None) -> bool:
+        """One non-blocking step; True once the replica is set up and can join.
+
+        Raises:
+            ray.exceptions.RayError: an actor of the new replica died while starting.
+        """
+        import ray
+
+        r, world = self.replica, cfg.diloco.workers_per_replica
+        if self.stage == "placing":
+            ready, _ = ray.wait([r.placement_group.ready()], timeout=0)
+            if not ready:
+                return False
+            _spawn(cfg, r, world, vocab_size, model_fn)
+            self.refs, self.stage = [r.rank0.node_address.remote()], "starting"
+        if self.stage == "starting":
+            ready, _ = ray.wait(self.refs, timeout=0)
+            if not ready:
+                return False
+            addr = ray.get(self.refs[0])
+            self.refs = [w.setup.remote(addr, *corpus_refs) for w in r.workers]
+            self.stage = "setup"
+        if self.stage == "setup":
+            ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+            if len(ready) < len(self.refs):
+                return False
+            ray.get(self.refs)
+            self.stage = "ready"
+        return self.stage == "ready"
+
+
+def launch_replica(cfg: Config, index: int, slot: int, join_step: int) -> ReplicaLaunch:
+    """Request a new replica ``index`` in data slot ``slot`` (its placement group only; see
+    :class:`ReplicaLaunch`)."""
+    import time
+
+    return ReplicaLaunch(_place(cfg, index, slot, cfg.diloco.workers_per_replica, "STRICT_PACK", join_step),
+                         time.monotonic())
 
 
 def stop_replicas(replicas: list[Replica]) -> None:

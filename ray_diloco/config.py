@@ -98,6 +98,12 @@ class DiLoCoConfig:
     gpus_per_worker: float = 0
     placement_timeout_s: float = 120.0  # wait for replica placement groups
     pg_timeout_s: float = 300.0  # torch.distributed collective / rendezvous timeout
+    # elasticity (fault tolerance): the quorum of an outer step, the replica count to grow to,
+    # how long a sync round waits for a missing replica, and how many replica failures a run survives
+    min_replicas: int = 1
+    max_replicas: int | None = None  # None: diloco.replicas (no scale-up)
+    sync_timeout_s: float = 60.0
+    max_failures: int = 20
 
 
 @dataclass
@@ -178,14 +184,20 @@ class Config:
 
     # -- derived quantities -------------------------------------------------------------
     @property
+    def num_slots(self) -> int:
+        """Replica slots: ``max(diloco.replicas, diloco.max_replicas)``; each slot owns one data
+        shard per rank, so a replacement or a joiner reads data no live replica reads."""
+        return max(self.diloco.replicas, self.diloco.max_replicas or 0)
+
+    @property
     def num_shards(self) -> int:
-        """Data shards = every (replica, rank) pair of workers."""
-        return self.diloco.replicas * self.diloco.workers_per_replica
+        """Data shards = every (slot, rank) pair of workers."""
+        return self.num_slots * self.diloco.workers_per_replica
 
     @property
     def batch_per_worker(self) -> int:
         """Sequences per inner step on one worker (global batch split across M x workers)."""
-        return self.inner.global_batch // self.num_shards
+        return self.inner.global_batch // (self.diloco.replicas * self.diloco.workers_per_replica)
 
     @property
     def block_fragments(self) -> int:
@@ -418,6 +430,16 @@ def validate_config(cfg: Config) -> None:
     need(d.gpus_per_worker >= 0, "diloco.gpus_per_worker", d.gpus_per_worker, "must be >= 0")
     need(d.pg_timeout_s > 0, "diloco.pg_timeout_s", d.pg_timeout_s, "must be > 0 seconds")
     need(d.placement_timeout_s > 0, "diloco.placement_timeout_s", d.placement_timeout_s, "must be > 0 seconds")
+    need(1 <= d.min_replicas <= max(d.replicas, 1), "diloco.min_replicas", d.min_replicas,
+         f"must be an integer in [1, diloco.replicas = {d.replicas}]")
+    need(d.max_replicas is None or d.max_replicas >= d.replicas, "diloco.max_replicas", d.max_replicas,
+         f"must be >= diloco.replicas = {d.replicas} (or none: no scale-up)")
+    need(d.sync_timeout_s > 0 and math.isfinite(d.sync_timeout_s), "diloco.sync_timeout_s", d.sync_timeout_s,
+         "must be a finite number of seconds > 0")
+    need(d.max_failures >= 0, "diloco.max_failures", d.max_failures, "must be an integer >= 0")
+    if cfg.algorithm == "dp" and (d.max_replicas or d.replicas) != d.replicas:
+        e.append(f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
+                 "(the DP baseline is one fixed DDP group)")
 
     i = cfg.inner
     need(i.lr > 0 and math.isfinite(i.lr), "inner.lr", i.lr, "must be a finite number > 0")
@@ -429,10 +451,11 @@ def validate_config(cfg: Config) -> None:
     need(0 <= i.min_lr_ratio <= 1, "inner.min_lr_ratio", i.min_lr_ratio, "must be in [0, 1]")
     need(i.grad_clip >= 0, "inner.grad_clip", i.grad_clip, "must be >= 0 (0 disables clipping)")
     need(i.global_batch >= 1, "inner.global_batch", i.global_batch, "must be an integer >= 1")
-    if i.global_batch >= 1 and d.replicas >= 1 and d.workers_per_replica >= 1 and i.global_batch % cfg.num_shards:
+    workers = d.replicas * d.workers_per_replica
+    if i.global_batch >= 1 and d.replicas >= 1 and d.workers_per_replica >= 1 and i.global_batch % workers:
         e.append(
             f"inner.global_batch = {i.global_batch}: must be divisible by diloco.replicas x "
-            f"diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {cfg.num_shards}"
+            f"diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {workers}"
         )
 
     o = cfg.outer

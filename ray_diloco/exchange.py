@@ -49,6 +49,51 @@ def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
     return values if packed.format == "none" else old_global + values
 
 
+OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"
+
+
+@dataclass
+class Reply:
+    """The driver's answer to one receiver for one round.
+
+    Attributes:
+        status: ``ok`` (this replica's pseudo-gradient was averaged), ``dropped`` (the round
+            completed without it: late, timed out, or not expected), ``rejected`` (it was not
+            finite: reset to the global parameters), ``failed`` (no quorum: no outer step).
+        version: the fragment's global version the receiver holds after applying ``message``.
+        message: the downlink bytes: the quantised outer update (``resync`` False), the full
+            fp32 global fragment (``resync`` True), or None (nothing to apply).
+        resync: ``message`` is a full-precision copy of the global fragment.
+    """
+
+    status: str
+    version: int
+    message: bytes | None = None
+    resync: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire for this reply (the message; 0 without one)."""
+        return len(self.message) if self.message is not None else 0
+
+
+def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
+    """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
+    without a message, the resync values, or ``exchange.apply_downlink(old, message)``.
+
+    Raises:
+        ValueError: malformed message or wrong number of values.
+    """
+    if reply.message is None:
+        return old_global
+    if reply.resync:
+        packed = from_message(reply.message)
+        if packed.numel != old_global.numel():
+            raise ValueError(f"resync has {packed.numel} values, the fragment has {old_global.numel()}")
+        return torch.from_numpy(decode(packed))
+    return apply_downlink(old_global, reply.message)
+
+
 def link_delay_s(nbytes: int, bandwidth_gbps: float | None, latency_ms: float) -> float:
     """Emulated one-way transfer time of a message: ``latency + 8 * nbytes / bandwidth`` seconds."""
     return latency_ms / 1e3 + (8.0 * nbytes / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
@@ -73,6 +118,8 @@ class SyncResult:
     new_global: torch.Tensor  # fp32 [numel_p]
     bytes_up: int  # this worker's message to the driver (0 on ranks > 0)
     bytes_down: int  # the driver's reply
+    status: str = "ok"  # Reply.status: ok, dropped, rejected or failed
+    version: int = 0  # the fragment's global version new_global is
 
 
 @dataclass
@@ -102,15 +149,19 @@ class Link:
         self._lock = threading.Lock()
 
     def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor, average_only: bool = False) -> Future:
+                 old_global: torch.Tensor, version: int = 0, average_only: bool = False) -> Future:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
         ``Future[SyncResult]``.
 
         ``delta`` (fp32 ``[numel_p]``, owned by the link from now on) is required on rank 0 and
-        ignored on other ranks. ``old_global`` must not change until the future is done.
-        ``average_only``: the driver averages instead of taking an outer step (a closing round).
+        ignored on other ranks; a non-finite one is not sent (the replica abstains and the
+        driver rejects it). ``old_global`` (the global version ``version``) must not change
+        until the future is done. ``average_only``: the driver averages instead of taking an
+        outer step (a closing round). With error feedback, a pseudo-gradient the round did not
+        use (dropped, rejected, failed) leaves the residual as it was: the replica's next
+        pseudo-gradient still contains it.
         """
-        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, average_only)
+        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
 
     def _sleep(self, nbytes: int) -> None:
         d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
@@ -120,26 +171,35 @@ class Link:
                 self.stats.emulated_delay_s += d
 
     def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-             old_global: torch.Tensor, average_only: bool) -> SyncResult:
+             old_global: torch.Tensor, version: int, average_only: bool) -> SyncResult:
         import ray
 
         t0 = time.perf_counter()
         up = 0
         if self.rank == 0:
-            message, residual = quantize_with_feedback(delta, self.fmt, self.residuals.get(fragment))
-            if self.error_feedback:
-                self.residuals[fragment] = residual
-            up = len(message)
+            before = self.residuals.get(fragment)
+            message = None
+            if bool(torch.isfinite(delta).all()):
+                message, residual = quantize_with_feedback(delta, self.fmt, before)
+                if self.error_feedback:
+                    self.residuals[fragment] = residual
+            up = len(message) if message is not None else 0
             self._sleep(up)
-            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, average_only))
+            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, version,
+                                                        average_only))
+            if reply.status != OK and self.error_feedback:
+                if before is None:
+                    self.residuals.pop(fragment, None)
+                else:
+                    self.residuals[fragment] = before
         else:
-            reply = ray.get(self.driver.result.remote(fragment, step))
-        down = len(reply)
+            reply = ray.get(self.driver.result.remote(fragment, step, self.replica, version, average_only))
+        down = reply.nbytes
         self._sleep(down)
-        new_global = apply_downlink(old_global, reply)
+        new_global = decode_reply(old_global, reply)
         with self._lock:
             self.stats.busy_s += time.perf_counter() - t0
-        return SyncResult(new_global, up, down)
+        return SyncResult(new_global, up, down, reply.status, reply.version)
 
     def take_stats(self) -> dict[str, Any]:
         """The counters since the last call, then reset."""

@@ -29,7 +29,7 @@ import torch
 
 from .config import Config, load_config
 from .data import ShardReader, val_batch
-from .exchange import Link, link_delay_s
+from .exchange import OK, Link, SyncResult, link_delay_s
 from .fragments import Fragment, ParamSpec, flatten, param_specs, plan_fragments, unflatten_into
 from .model import ModelFn, build_transformers_model, lm_loss, logits_of, resolve_model_shape
 from .schedules import SyncSchedule, inner_lr
@@ -83,15 +83,22 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, wind
 @dataclasses.dataclass
 class PendingSync:
     """A fragment sent at ``send_step`` whose new global value is merged at ``apply_step``.
-    ``future`` resolves to an ``exchange.SyncResult``; None after a resume, when the new global
-    value was restored from the driver's checkpoint into ``global_flat`` and ``nbytes`` (up,
-    down) from the worker's."""
+    ``future`` resolves to an ``exchange.SyncResult``; after a resume ``result`` holds it (the
+    new global value restored from the driver's checkpoint, bytes and status from the
+    worker's). ``prev_send``: the fragment's previous send step, restored if the round fails."""
 
     fragment: int
     send_step: int
     apply_step: int
     future: Future | None
-    nbytes: tuple[int, int] = (0, 0)
+    prev_send: int = 0
+    result: SyncResult | None = None
+
+    def outcome(self) -> SyncResult:
+        """The finished exchange (waits for it); re-raises a failed one."""
+        if self.result is None:
+            self.result = self.future.result()
+        return self.result
 
 
 @dataclasses.dataclass
@@ -177,6 +184,7 @@ class ReplicaWorker:
             self.fragments = plan_fragments(self.specs, 1)
         self.params = dict(self.model.named_parameters())
         self.global_flat: list[torch.Tensor | None] = [None] * len(self.fragments)
+        self.global_version = [0] * len(self.fragments)  # outer steps applied to each global fragment
         self.schedule: SyncSchedule | None = None
         self.link: Link | None = None
         self.pending: list[PendingSync] = []
@@ -259,29 +267,38 @@ class ReplicaWorker:
         local = flatten(self.params, frag)
         delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
         weight = float((t - self.last_send[f]) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size)
-        self.last_send[f] = t
-        fut = self.link.exchange(f, t, weight, delta, g, self.schedule.averages(f, t))
-        self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut))
+        prev, self.last_send[f] = self.last_send[f], t
+        fut = self.link.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t))
+        self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
         if self.cfg.run.trace_syncs:
             self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),
                                "local_at_send": local})
 
     def _merge(self, e: PendingSync) -> float:
         """Merge a finished sync (Streaming DiLoCo, section 2):
-        ``theta_local <- alpha * theta_local + (1 - alpha) * new_global``; returns seconds blocked."""
+        ``theta_local <- alpha * theta_local + (1 - alpha) * new_global``; returns seconds blocked.
+
+        By the round's status: ``ok``/``dropped`` merge; ``failed`` (no quorum) keeps the local
+        parameters and the fragment's previous send step, so the next pseudo-gradient carries
+        this round's work too; ``rejected`` (non-finite) resets the replica to the global
+        parameters with a fresh inner optimiser."""
         t0 = time.perf_counter()
-        if e.future is not None:
-            res = e.future.result()
-            new, nbytes = res.new_global, (res.bytes_up, res.bytes_down)
-        else:
-            new, nbytes = self.global_flat[e.fragment], e.nbytes
+        res = e.outcome()
         waited = time.perf_counter() - t0
-        self.comm.add(*nbytes)
+        new = res.new_global
+        self.comm.add(res.bytes_up, res.bytes_down)
         frag, alpha = self.fragments[e.fragment], self.cfg.streaming.alpha
         local = flatten(self.params, frag)
-        merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
-        self.global_flat[e.fragment] = new
-        unflatten_into(self.params, frag, merged)
+        self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
+        if res.status == "failed":
+            self.last_send[e.fragment] = e.prev_send
+            merged = local
+        elif res.status == "rejected":
+            self.reset_to_global()
+            merged = new
+        else:
+            merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
+            unflatten_into(self.params, frag, merged)
         if self.cfg.run.trace_syncs:
             rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
             rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
@@ -301,16 +318,30 @@ class ReplicaWorker:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
         their step); re-raises a failed exchange. Returns the number of syncs in flight."""
         for e in self.pending:
-            if e.future is not None:
-                e.future.result()
+            e.outcome()
         return len(self.pending)
 
-    @staticmethod
-    def _pending_bytes(e: PendingSync) -> tuple[int, int]:
-        if e.future is None:
-            return e.nbytes
-        res = e.future.result()
-        return res.bytes_up, res.bytes_down
+    def reset_to_global(self) -> None:
+        """Local parameters of every fragment <- the global ones this worker holds; the inner
+        optimiser state is cleared (used after a rejected, non-finite pseudo-gradient)."""
+        for f, g in zip(self.fragments, self.global_flat):
+            if g is not None:
+                unflatten_into(self.params, f, g)
+        self.optimizer.state.clear()
+
+    def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None) -> str:
+        """Start as a joiner at inner step ``step``: local and global parameters <- the driver's
+        global fragments (object refs of fp32 ``[numel_p]``) at ``versions``, a fresh inner
+        optimiser, no sync in flight, the slot's data position (None: the shard's start).
+        Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero)."""
+        for f, g in enumerate(ray.get(list(global_refs))):
+            self.load_global(f, g, versions[f])
+        self.optimizer.state.clear()
+        self.pending, self.last_send = [], [step] * len(self.fragments)
+        self.comm = CommCounters()
+        if reader_state is not None:
+            self.reader.load_state(reader_state)
+        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)])
 
     def sync_trace(self) -> list[dict[str, Any]]:
         """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
@@ -320,10 +351,11 @@ class ReplicaWorker:
         """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
         return self.global_flat[fragment].numpy().copy()
 
-    def load_global(self, fragment: int, global_p: np.ndarray) -> None:
-        """Adopt the new global fragment (fp32 ``[numel_p]``): keep a copy, overwrite local params."""
+    def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
+        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps): keep a copy,
+        overwrite the local parameters."""
         g = torch.from_numpy(np.array(global_p, dtype=np.float32, copy=True))
-        self.global_flat[fragment] = g
+        self.global_flat[fragment], self.global_version[fragment] = g, int(version)
         unflatten_into(self.params, self.fragments[fragment], g)
 
     # -- inner loop ------------------------------------------------------------------------
@@ -398,6 +430,7 @@ class ReplicaWorker:
                      **self.link.take_stats()} if self.link is not None else
             {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0},
             "data_digest": digest.hexdigest(),
+            "reader": self.reader.state(),
         }
 
     # -- evaluation ------------------------------------------------------------------------
@@ -428,7 +461,9 @@ class ReplicaWorker:
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
                  "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
-                 "pending": [[e.fragment, e.send_step, e.apply_step, *self._pending_bytes(e)] for e in self.pending],
+                 "pending": [[e.fragment, e.send_step, e.apply_step, e.outcome().bytes_up, e.outcome().bytes_down,
+                              e.outcome().status, e.outcome().version, e.prev_send] for e in self.pending],
+                 "global_version": list(self.global_version),
                  "comm": dataclasses.asdict(self.comm)}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
@@ -451,8 +486,12 @@ class ReplicaWorker:
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
         self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
-        self.pending = [PendingSync(int(p[0]), int(p[1]), int(p[2]), None, (int(p[3]), int(p[4])))
-                        for p in state.get("pending", [])]
+        self.pending = []
+        for p in state.get("pending", []):
+            f = int(p[0])
+            status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, self.global_version[f], 0)
+            res = SyncResult(self.global_flat[f], int(p[3]), int(p[4]), status, version)
+            self.pending.append(PendingSync(f, int(p[1]), int(p[2]), None, prev, res))
         self.comm = CommCounters(**state.get("comm", {}))
         if self.link is not None:
             self.link.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))

@@ -6,11 +6,13 @@ Algorithm 1; Streaming DiLoCo, arXiv 2501.18512, section 2)::
 
     worker (training thread)   inner AdamW steps; at fragment p's sync step: delta_p = global_p - local_p
     worker (link thread)       quantise delta_p -> OuterDriver.exchange(p, round, ...) -> reply
-    OuterDriver actor          once all M replicas sent: mean, outer step, quantised reply
+    OuterDriver actor          once the live replicas sent (or the timeout, with a quorum): mean,
+                               outer step, quantised reply
     worker (training thread)   tau steps later: local_p <- alpha*local_p + (1-alpha)*new global_p
 
 Before an evaluation, a checkpoint or the export the trainer waits until the driver has
-completed every sync sent so far.
+completed every sync sent so far. Replica deaths, replacements and joins are handled by
+:class:`~ray_diloco.elastic.Membership` (see there) between and during outer steps.
 
 ``algorithm: dp`` runs the data-parallel baseline with the same workers, data, inner optimiser
 and schedule: one DDP group over all M x W workers and no outer step.
@@ -43,6 +45,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
+from .elastic import Membership
 from .config import Config, check_overlap, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
 from .errors import CheckpointError, ClusterError, ConfigError, DataError
@@ -68,6 +71,7 @@ class RunState:
     inner_compute_s: float = 0.0  # mean over workers
     train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
     sync_wait_s: float = 0.0  # seconds a worker's training thread was blocked on the link (mean over workers)
+    membership: dict[str, int] = field(default_factory=dict)  # event kind -> count (death, join, rejected, ...)
     last_eval: float | None = None
     evals: list[tuple[int, float]] = field(default_factory=list)
 
@@ -142,6 +146,7 @@ class Trainer:
         self.outer = None
         self.schedule: SyncSchedule | None = None
         self.num_fragments = 1
+        self.members: Membership | None = None
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,14 +159,20 @@ class Trainer:
         """
         import ray
 
-        from .outer import OuterDriverActor
+        from .driver import OuterDriverActor
 
         self.cfg.diloco.cpus_per_worker = check_resources(self.cfg)
         if self.cfg.diloco.cpus_per_worker < 1:
             print(f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
                   f"({self.cfg.diloco.cpus_per_worker:g} CPU each)", file=sys.stderr)
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
-        self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn)
+        rs = self.resume_state
+        saved = (rs or {}).get("membership") or {}
+        members = [tuple(m) for m in saved.get("members", [])] or None
+        self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn, members)
+        self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
+        self.members.load_state_dict(saved)
+        self.replicas = self.members.live  # the same list: it changes as replicas die and join
         w0 = self.replicas[0].rank0
         specs = ray.get(w0.param_specs.remote())
         c = self.cfg
@@ -181,7 +192,9 @@ class Trainer:
         print(f"{c.algorithm}: M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), "
               f"H={c.diloco.H}, {c.run.steps} inner steps ({c.num_outer_steps} outer), global batch "
               f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
-        rs = self.resume_state
+        if c.algorithm == "diloco" and (c.diloco.min_replicas > 1 or self.members.target > c.diloco.replicas):
+            print(f"elastic: quorum {c.diloco.min_replicas}, up to {self.members.target} replicas, "
+                  f"sync timeout {c.diloco.sync_timeout_s:g} s", file=sys.stderr)
         if rs is not None:
             check_sizes(self.fragments, global_params(rs))
         if c.algorithm == "diloco":
@@ -190,13 +203,15 @@ class Trainer:
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
                 ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])
-            self.outer = OuterDriverActor.remote(initial, c.to_dict())
+            self.outer = OuterDriverActor.remote(initial, c.to_dict(), {r.index: r.join_step for r in self.replicas})
+            self.members.driver, self.members.schedule = self.outer, self.schedule
             if rs is not None:
                 ray.get(self.outer.load_state_dict.remote(rs["outer"]))
             workers = all_workers(self.replicas)
             ray.get([w.attach.remote(self.outer, self.schedule) for w in workers])
             globals_ = ray.get(self.outer.global_refs.remote())
-            ray.get([w.load_global.remote(p, g) for p, g in enumerate(globals_) for w in workers])
+            versions = ray.get(self.outer.global_versions.remote())
+            ray.get([w.load_global.remote(p, g, versions[p]) for p, g in enumerate(globals_) for w in workers])
         if rs is not None:  # after load_global: a worker's local parameters may differ from the global ones
             self._restore_workers(rs)
             cnt = rs["counters"]
@@ -218,19 +233,85 @@ class Trainer:
         ray.get(calls)
 
     # -- one outer step --------------------------------------------------------------------
+    def _gather(self, calls: dict[Any, Replica], straggler_s: float | None = None) -> list[Any]:
+        """Results of the remote ``calls`` (object ref -> the replica it runs on), in call order.
+
+        DiLoCo: a replica whose call fails (actor or node death, a process-group error inside
+        it) is removed at once (:meth:`Membership.lose`), so the driver stops waiting for it; its
+        other calls are dropped. With ``straggler_s``, replicas still running that many seconds
+        after the first one finished are removed as unresponsive. DP: the first failure raises.
+        """
+        import ray
+
+        order = list(calls)
+        results: dict[Any, Any] = {}
+        pending = dict(calls)
+        first_done = None
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
+            for ref in ready:
+                r = pending.pop(ref, None)
+                if r is None:
+                    continue
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    if self.outer is None:
+                        raise
+                    self._lose(r, error_cause(e))
+                    for other in [x for x, rr in pending.items() if rr is r]:
+                        pending.pop(other)
+            if ready and first_done is None:
+                first_done = time.monotonic()
+            if straggler_s is not None and first_done is not None and time.monotonic() - first_done > straggler_s:
+                for r in {id(rr): rr for rr in pending.values()}.values():
+                    self._lose(r, f"unresponsive: still training {straggler_s:g} s after the other replicas "
+                                  "finished the outer step (diloco.sync_timeout_s)")
+                pending = {}
+            if self.members is not None and self.outer is not None:
+                self.members.poll()
+        return [results[ref] for ref in order if ref in results]
+
+    def _lose(self, r: Replica, reason: str) -> None:
+        """A replica failed: check the driver is alive, then remove the replica."""
+        print(f"replica {r.index} failed: {reason}", file=sys.stderr)
+        self.members.lose(r, reason)
+
+    def _membership(self, step: int) -> None:
+        """At an outer-step boundary: admit replicas that finished starting, request
+        replacements (or scale-up) for missing ones, and wait (``diloco.placement_timeout_s``)
+        when no replica is left."""
+        m = self.members
+        if self.outer is None:
+            return
+        m.admit(m.poll(), step, self._settle)
+        m.top_up(step)
+        deadline = time.monotonic() + self.cfg.diloco.placement_timeout_s
+        while not m.live:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"diloco.placement_timeout_s = {self.cfg.diloco.placement_timeout_s:g}: no replica "
+                                   "is alive and none could be started again in time")
+            time.sleep(0.2)
+            m.admit(m.poll(), step, self._settle)
+
     def _round(self, k: int) -> dict[str, Any]:
-        """Inner steps of outer step ``k`` on every worker; the fragment syncs due in them run
-        inside the workers (``ReplicaWorker.train``). Returns the metrics row."""
+        """Inner steps of outer step ``k`` on every live worker; the fragment syncs due in them
+        run inside the workers (``ReplicaWorker.train``). Returns the metrics row."""
         import ray
 
         cfg = self.cfg
         start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
+        self._membership(start)
         t0 = time.perf_counter()
-        workers = all_workers(self.replicas)
-        metrics = ray.get([w.train.remote(start, end) for w in workers])
+        calls = {w.train.remote(start, end): r for r in self.replicas for w in r.workers}
+        metrics = self._gather(calls, straggler_s=cfg.diloco.sync_timeout_s if self.outer is not None else None)
         wall = time.perf_counter() - t0
+        if not metrics:
+            raise ClusterError(f"outer step {k}: every replica failed")
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
-        n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len
+        n_tokens = int(sum(mtr["tokens"] for mtr in metrics if mtr["rank"] == 0 or cfg.algorithm == "dp"))
+        if cfg.algorithm == "dp":
+            n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len
         # bytes on the slow link: each replica's rank 0 (DiLoCo), every rank (DP's all-reduce)
         rank0 = metrics if cfg.algorithm == "dp" else [mtr for mtr in metrics if mtr["rank"] == 0]
         sent = sum(mtr["link"]["bytes_up"] for mtr in rank0)
@@ -243,23 +324,38 @@ class Trainer:
         st.peak_sync_bytes = max([st.peak_sync_bytes] + [mtr["link"].get("peak_event_bytes", 0) for mtr in rank0])
         st.sync_events += sum(mtr["link"].get("events", 0) for mtr in rank0)
         if self.outer is not None:
+            self.members.note_positions(metrics)
             # rounds merged by the end of this outer step (apply step = min(send + tau, T))
             merged_by = end if end >= cfg.run.steps else end - self.schedule.overlap
             rounds = ray.get(self.outer.take_stats.remote(merged_by))
             if rounds:
                 row["outer_update_norm"] = float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds)))
-                norms = np.sqrt(np.sum([np.square(r["delta_norms"]) for r in rounds], axis=0))
-                row["pseudo_grad_norm"] = {f"replica_{m}": float(v) for m, v in enumerate(norms)}
+                sq: dict[int, float] = {}
+                for r in rounds:
+                    for m, v in r["delta_norms"].items():
+                        sq[m] = sq.get(m, 0.0) + v * v
+                row["pseudo_grad_norm"] = {f"replica_{m}": float(np.sqrt(v)) for m, v in sorted(sq.items())}
                 row["fragment_syncs"] = len(rounds)
                 per_fragment: dict[str, int] = {}
                 for r in rounds:  # up + down, all replicas, per fragment sync completed in this outer step
                     key = f"fragment_{r['fragment']}"
                     per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
                 row["sync_bytes_fragment"] = per_fragment
+            events = self.members.take_events() + ray.get(self.outer.take_events.remote())
+            for ev in events:
+                st.membership[ev["event"]] = st.membership.get(ev["event"], 0) + 1
+                if ev["event"] not in ("launch",):
+                    print(f"membership: {_describe(ev)}", file=sys.stderr)
+            row["replicas_live"] = len(self.replicas)
+            row["replicas_target"] = self.members.target
+            row["membership"] = dict(st.membership)
+            if events:
+                row["events"] = events
         by_replica: dict[int, dict[str, Any]] = {}
         for mtr in metrics:
             by_replica.setdefault(mtr["replica"], mtr)
         losses = [by_replica[m]["train_loss"] for m in sorted(by_replica)]
+        loss_ids = sorted(by_replica)
         compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
         st.inner_compute_s += compute_s
         st.train_wall_s += wall
@@ -267,7 +363,7 @@ class Trainer:
         st.sync_wait_s += sync_wait
         row.update({
             "train_loss": float(np.mean(losses)),
-            "train_loss_replica": {f"replica_{m}": v for m, v in enumerate(losses)},
+            "train_loss_replica": {f"replica_{m}": v for m, v in zip(loss_ids, losses)},
             "inner_lr": metrics[0]["inner_lr"],
             "tokens": st.tokens,
             "tokens_per_s": n_tokens / wall if wall > 0 else None,
@@ -287,16 +383,35 @@ class Trainer:
             if self.outer is not None:
                 self._settle()
                 row.update({f"{k}_sha256": v for k, v in ray.get(self.outer.state_hash.remote()).items()})
-            row["worker_global_sha256"] = ray.get([w.global_hash.remote() for w in workers])
+            row["worker_global_sha256"] = self._gather({w.global_hash.remote(): r for r in self.replicas
+                                                        for w in r.workers})
         return row
 
     def _settle(self) -> None:
         """Wait until every sync sent so far is answered by the driver (before eval, checkpoint
-        or export); raises the first failed exchange instead of waiting on the others."""
-        import ray
-
+        or export); a replica that fails meanwhile is removed (DiLoCo) or raises (DP)."""
         if self.outer is not None:
-            ray.get([w.settle.remote() for w in all_workers(self.replicas)])
+            self._gather({w.settle.remote(): r for r in list(self.replicas) for w in r.workers})
+
+    def _on_live(self, method: str, args_of: Any) -> dict[tuple[int, int], Any]:
+        """Call ``method(*args_of(replica, rank, i))`` on every live worker (``i``: position in
+        the flat worker list, ``args_of`` returns None to skip a worker); a replica lost meanwhile
+        makes the whole call start again with the survivors. Returns ``{(id, rank): result}``."""
+        while True:
+            live = list(self.replicas)
+            calls, keys = {}, {}
+            i = 0
+            for r in live:
+                for rank, w in enumerate(r.workers):
+                    args = args_of(r, rank, i, len(all_workers(live)))
+                    i += 1
+                    if args is None:
+                        continue
+                    ref = getattr(w, method).remote(*args)
+                    calls[ref], keys[ref] = r, (r.index, rank)
+            results = self._gather(calls)
+            if [r.index for r in self.replicas] == [r.index for r in live]:
+                return dict(zip([keys[ref] for ref in calls], results))
 
     def evaluate(self) -> float:
         """Validation loss (nats/token) of the global parameters over the whole validation split,
@@ -305,10 +420,13 @@ class Trainer:
 
         self._settle()
         globals_ = ray.get(self.outer.global_refs.remote()) if self.outer is not None else None
-        workers = all_workers(self.replicas)
         n = val_windows(self.corpus.val, self.cfg.data.seq_len)
-        chunks = np.array_split(np.arange(n), len(workers))
-        parts = ray.get([w.evaluate.remote(c, globals_) for w, c in zip(workers, chunks) if len(c)])
+
+        def chunk(r, rank, i, n_workers):
+            c = np.array_split(np.arange(n), n_workers)[i]
+            return (c, globals_) if len(c) else None
+
+        parts = list(self._on_live("evaluate", chunk).values())
         total = sum(p[0] for p in parts)
         count = sum(p[1] for p in parts)
         return total / count
@@ -318,15 +436,7 @@ class Trainer:
         import ray
 
         self._settle()
-        workers_state = {}
-        calls = []
-        keys = []
-        for r in self.replicas:
-            for rank, w in enumerate(r.workers):
-                calls.append(w.state_dict.remote(full=rank == 0))
-                keys.append((r.index, rank))
-        for key, s in zip(keys, ray.get(calls)):
-            workers_state[key] = s
+        workers_state = self._on_live("state_dict", lambda r, rank, i, n: (rank == 0,))
         st = self.state
         state = {
             "format": 1,
@@ -337,6 +447,7 @@ class Trainer:
             "counters": dataclasses.asdict(st),
             "outer": ray.get(self.outer.state_dict.remote()) if self.outer is not None else None,
             "workers": workers_state,
+            "membership": self.members.state_dict() if self.members is not None else None,
         }
         return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
 
@@ -372,7 +483,8 @@ class Trainer:
             tracker.progress(row["inner_step"] - outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)[0],
                              outer=f"{k}/{last}", loss=f"{row['train_loss']:.3f}",
                              eval=None if self.state.last_eval is None else f"{self.state.last_eval:.3f}",
-                             tok_s=f"{row['tokens_per_s']:.0f}")
+                             tok_s=f"{row['tokens_per_s']:.0f}",
+                             replicas=f"{row['replicas_live']}/{row['replicas_target']}" if "replicas_live" in row else None)
         wall = time.perf_counter() - t_start
         return {"wall_s": wall, "inner_compute_s": compute_total, "outer_wait_s": wait_total}
 
@@ -389,6 +501,8 @@ class Trainer:
                 pass
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=10)
+        if self.members is not None:
+            self.members.shutdown()
         stop_replicas(self.replicas)
         if self.outer is not None:
             ray.kill(self.outer)
@@ -403,6 +517,13 @@ class Trainer:
 FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "diloco.H", "model", "data",
                    "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
                    "streaming.pattern", "streaming.overlap_steps")
+
+
+def _describe(ev: dict[str, Any]) -> str:
+    """One log line for a membership event."""
+    info = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "replica", "time"))
+    who = "" if ev.get("replica") is None else f"replica {ev['replica']} "
+    return f"{who}{ev['event']}" + (f" ({info})" if info else "")
 
 
 def _check_resumable(cfg: Config, saved: Config) -> None:
@@ -547,6 +668,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             "compute_utilisation": st.inner_compute_s / st.train_wall_s if st.train_wall_s > 0 else None,
             "sync_wait_s": st.sync_wait_s,
             "fragments": trainer.num_fragments,
+            "membership": dict(st.membership),
+            "replicas_live": len(trainer.replicas),
             "run_dir": str(run_dir),
             "export_dir": str(export_dir),
             "config": cfg.to_dict(),

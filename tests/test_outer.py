@@ -74,8 +74,8 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     completes once both are in, both get the same reply, and the driver's global parameters
     equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do)."""
     from ray_diloco.config import load_config
+    from ray_diloco.driver import OuterDriverActor
     from ray_diloco.exchange import apply_downlink
-    from ray_diloco.outer import OuterDriverActor
     from ray_diloco.quantize import quantize_message
 
     ray = ray_session
@@ -87,20 +87,23 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     for k in (1, 2, 3):
         ds = _deltas(10 + k, 1001, 2)
         msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
-        first = driver.exchange.remote(0, k, 0, 1.0, msgs[0])
+        first = driver.exchange.remote(0, k, 0, 1.0, msgs[0], k - 1)
         ready, _ = ray.wait([first], timeout=0.5)
         assert not ready  # the round waits for the second replica
-        replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1])])
-        assert replies[0] == replies[1]
+        replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
+        assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
         out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
-        assert replies[0] == out["message"]
-        held = apply_downlink(held, replies[0])
+        assert replies[0].message == out["message"] and not replies[0].resync
+        held = apply_downlink(held, replies[0].message)
         (glob,) = ray.get(driver.global_params.remote())
         assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
     assert ray.get(driver.state_hash.remote()) == local.state_hash()
-    assert ray.get(driver.pending_rounds.remote()) == 0  # collected rounds are not kept
-    for bad in [(0, 2, 0, 1.0, msgs[0]),  # a round already completed and collected
-                (5, 9, 0, 1.0, msgs[0]),  # no such fragment
+    assert ray.get(driver.pending_rounds.remote()) == 0  # no round left open
+    late = ray.get(driver.exchange.remote(0, 2, 0, 1.0, msgs[0], 1))  # a round already completed
+    assert late.status == "ok" and late.version == 2  # its own reply again (replica 0 was in it)
+    stale = ray.get(driver.exchange.remote(0, 1, 0, 1.0, msgs[0], 2))  # a version not the round's base: resync
+    assert stale.resync and stale.version == 3
+    for bad in [(5, 9, 0, 1.0, msgs[0]),  # no such fragment
                 (0, 9, 7, 1.0, msgs[0]),  # no such replica
                 (0, 9, 0, 1.0, b"junk")]:  # not a wire message
         with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):

@@ -1,0 +1,176 @@
+"""Elastic replicas: who is live, who is starting, which data slot each reads, and what happens
+when a replica dies, joins or leaves.
+
+Replicas change only between outer steps (``Trainer._round``), except that a death is acted on
+as soon as Ray reports it: the replica's actors and placement group are removed and the
+driver stops waiting for it, so the rounds in flight complete with the survivors (DiLoCo,
+arXiv 2311.08105, section 3: dropped outer gradients cost little). Replacements and scale-up
+replicas start in the background (:class:`~ray_diloco.cluster.ReplicaLaunch`) and are admitted
+at the next outer-step boundary:
+
+1. every live worker settles its syncs in flight, so the driver's global parameters are final;
+2. the joiner loads the global parameters of every fragment (and their versions), starts a
+   fresh inner optimiser, takes a free data slot at the position its last reader reached, and
+   follows the global inner lr schedule from the current step (no second warm-up);
+3. the driver expects it in every round sent after that step.
+
+Events (join, leave, death with reason; the driver adds timeout, late, rejected and
+round_failed) are collected each outer step for the log, ``metrics.jsonl`` and W&B.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
+from .config import Config
+from .errors import ClusterError
+from .model import ModelFn
+
+
+class Membership:
+    """The replicas of one run and their data slots.
+
+    Args:
+        cfg: the run config. corpus_refs: object refs of the train/val token arrays.
+        vocab_size, model_fn: what a new worker needs to build the model.
+        live: the replicas running now. next_id: the id the next new replica gets.
+    """
+
+    def __init__(self, cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
+                 live: list[Replica], next_id: int | None = None):
+        self.cfg, self.corpus_refs, self.vocab_size, self.model_fn = cfg, corpus_refs, vocab_size, model_fn
+        self.live = sorted(live, key=lambda r: r.index)
+        self.launches: list[ReplicaLaunch] = []
+        self.next_id = next_id if next_id is not None else max([r.index + 1 for r in live], default=0)
+        self.target = cfg.diloco.max_replicas or cfg.diloco.replicas
+        self.failures = 0
+        self.slot_readers: dict[int, list[dict[str, Any] | None]] = {}
+        self.driver: Any = None  # set by the trainer with the schedule once the driver exists
+        self.schedule: Any = None
+        self.events: list[dict[str, Any]] = []  # trainer-side events (the driver keeps its own)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Members ``[id, slot, join step]``, the next id, the failure count and each slot's
+        last data position (per rank)."""
+        return {"members": [[r.index, r.slot, r.join_step] for r in self.live], "next_id": self.next_id,
+                "failures": self.failures, "slot_readers": {int(k): v for k, v in self.slot_readers.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters and slot positions of :meth:`state_dict` (members are started by
+        the trainer)."""
+        self.next_id = int(state.get("next_id", self.next_id))
+        self.failures = int(state.get("failures", 0))
+        self.slot_readers = {int(k): v for k, v in state.get("slot_readers", {}).items()}
+
+    def note_positions(self, metrics: list[dict[str, Any]]) -> None:
+        """Remember each slot's data position from a round's worker metrics."""
+        by_id = {r.index: r for r in self.live}
+        W = self.cfg.diloco.workers_per_replica
+        for m in metrics:
+            r = by_id.get(m["replica"])
+            if r is not None and "reader" in m:
+                self.slot_readers.setdefault(r.slot, [None] * W)[m["rank"]] = m["reader"]
+
+    def free_slots(self) -> list[int]:
+        """Data slots no live or starting replica reads."""
+        used = {r.slot for r in self.live} | {lc.replica.slot for lc in self.launches}
+        return [s for s in range(self.cfg.num_slots) if s not in used]
+
+    # -- changes -----------------------------------------------------------------------------
+    def _event(self, kind: str, replica: int | None, **info: Any) -> None:
+        self.events.append({"event": kind, "replica": replica, "time": time.time(), **info})
+
+    def top_up(self, step: int) -> None:
+        """Request new replicas (in free slots) until live + starting reaches the target."""
+        for slot in self.free_slots()[: max(0, self.target - len(self.live) - len(self.launches))]:
+            self.launches.append(launch_replica(self.cfg, self.next_id, slot, step))
+            self._event("launch", self.next_id, slot=slot, step=step)
+            self.next_id += 1
+
+    def poll(self) -> list[ReplicaLaunch]:
+        """Advance every launch without blocking; returns the ones ready to join. A launch whose
+        actors die is removed (and counted as a failure)."""
+        import ray
+
+        ready = []
+        for lc in list(self.launches):
+            try:
+                if lc.advance(self.cfg, self.corpus_refs, self.vocab_size, self.model_fn):
+                    ready.append(lc)
+            except ray.exceptions.RayError as e:
+                self.launches.remove(lc)
+                stop_replicas([lc.replica])
+                self._count_failure(lc.replica.index, f"failed while starting: {error_cause(e)}")
+        return ready
+
+    def admit(self, ready: list[ReplicaLaunch], step: int, settle: Any) -> None:
+        """Join set-up replicas at inner step ``step`` (an outer-step boundary): ``settle()``
+        the live workers, load the global parameters into the joiners, add them to the driver.
+        A joiner that fails here is removed like a death."""
+        import ray
+
+        if not ready:
+            return
+        settle()
+        refs = ray.get(self.driver.global_refs.remote())
+        versions = ray.get(self.driver.global_versions.remote())
+        for lc in ready:
+            self.launches.remove(lc)
+            r = lc.replica
+            r.join_step = step
+            positions = self.slot_readers.get(r.slot) or [None] * len(r.workers)
+            try:
+                ray.get([w.attach.remote(self.driver, self.schedule) for w in r.workers])
+                zero = ray.get([w.join.remote(refs, versions, step, positions[rank])
+                                for rank, w in enumerate(r.workers)])
+            except ray.exceptions.RayError as e:
+                stop_replicas([r])
+                self._count_failure(r.index, f"failed while joining: {error_cause(e)}")
+                continue
+            self.live.append(r)
+            self.live.sort(key=lambda x: x.index)
+            ray.get(self.driver.add_member.remote(r.index, step, slot=r.slot,
+                                                  admit_s=round(time.monotonic() - lc.requested, 3),
+                                                  pseudo_gradient_sha256=zero[0]))
+
+    def lose(self, r: Replica, reason: str, kind: str = "death") -> None:
+        """Remove a replica that died (``kind="death"``) or is asked to leave (``"leave"``): the
+        driver stops expecting it, its actors and placement group are removed.
+
+        Raises:
+            ClusterError: the driver itself is gone, or ``diloco.max_failures`` is exceeded.
+        """
+        import ray
+
+        if r not in self.live:
+            return
+        self.live.remove(r)
+        stop_replicas([r])
+        try:
+            ray.get(self.driver.remove_member.remote(r.index, reason, kind), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            raise ClusterError(f"the outer-optimiser driver failed: {error_cause(e)} (resume the run with "
+                               "--resume RUN_DIR: it restarts from the last checkpoint)") from None
+        if kind == "death":
+            self._count_failure(r.index, reason, recorded=True)
+
+    def _count_failure(self, replica: int, reason: str, recorded: bool = False) -> None:
+        self.failures += 1
+        if not recorded:
+            self._event("death", replica, reason=reason)
+        if self.failures > self.cfg.diloco.max_failures:
+            raise ClusterError(f"diloco.max_failures = {self.cfg.diloco.max_failures}: {self.failures} replica "
+                               f"failures in this run, the last: replica {replica} {reason}")
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Trainer-side events since the last call."""
+        out, self.events = self.events, []
+        return out
+
+    def shutdown(self) -> None:
+        """Remove the replicas still starting."""
+        stop_replicas([lc.replica for lc in self.launches])
+        self.launches = []
