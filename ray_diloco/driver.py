@@ -268,9 +268,9 @@ class OuterDriver:
         return due
 
     # -- global parameters and state ----------------------------------------------------------
-    def ping(self) -> bool:
-        """True (the trainer's liveness check)."""
-        return True
+    def ping(self) -> int:
+        """The driver's process id (the trainer's liveness check)."""
+        return os.getpid()
 
     def global_refs(self) -> list[Any]:
         """Every global fragment (fp32 ``[numel_p]``) put once into the object store."""

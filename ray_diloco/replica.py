@@ -231,6 +231,14 @@ class ReplicaWorker:
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
 
+    def pid(self) -> int:
+        """This worker's process id (for operators and fault-injection tests)."""
+        return os.getpid()
+
+    def data_windows(self) -> np.ndarray:
+        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch."""
+        return self.reader._epoch_plan(self.reader.epoch)[0].copy()
+
     def param_specs(self) -> list[ParamSpec]:
         """Names and shapes of the trainable parameters, in exchange order."""
         return self.specs

@@ -1,0 +1,391 @@
+"""Elastic replicas and fault tolerance (issue 4): the driver's quorum and timeout, dead and
+late replicas, joiners, non-finite pseudo-gradients, bounded memory under failing rounds,
+driver kill + resume, and a chaos run. Everything on the real local Ray: actors are killed
+with SIGKILL on their PIDs."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_overrides
+
+from ray_diloco.config import load_config
+from ray_diloco.errors import ClusterError
+from ray_diloco.outer import OuterOptimizer
+from ray_diloco.quantize import Packed, quantize_message, to_message
+from ray_diloco.replica import tensor_hash
+from ray_diloco.trainer import Trainer, _new_run_dir
+
+N = 257
+
+
+def _driver(ray, replicas=3, quorum=2, timeout=0.5, fmt="none"):
+    from ray_diloco.driver import OuterDriverActor
+
+    cfg = load_config({"diloco": {"replicas": replicas, "min_replicas": quorum, "sync_timeout_s": timeout},
+                       "inner": {"global_batch": 6}, "streaming": {"quantization": fmt}})
+    theta0 = np.random.default_rng(0).standard_normal(N).astype(np.float32)
+    driver = OuterDriverActor.remote([theta0], cfg.to_dict())
+    ray.get(driver.ping.remote())  # started: timings below measure rounds, not the actor's start
+    return driver, theta0, cfg
+
+
+def _msg(seed, fmt="none"):
+    d = torch.from_numpy(np.random.default_rng(seed).standard_normal(N).astype(np.float32))
+    message, sent = quantize_message(d, fmt)
+    return message, sent.numpy()
+
+
+def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
+    """3 members, quorum 2, timeout 0.5 s: replicas 0 and 1 send, 2 stays silent. The round
+    completes with 0 and 1 (token-weighted mean, exact) after the timeout, not before and not much
+    later; 2's late pseudo-gradient is dropped, and its reply brings it to the same global
+    parameters bitwise."""
+    from ray_diloco.exchange import decode_reply
+
+    ray = ray_session
+    driver, theta0, cfg = _driver(ray)
+    (m0, d0), (m1, d1), (m2, _) = _msg(1), _msg(2), _msg(3)
+    t0 = time.monotonic()
+    r0, r1 = ray.get([driver.exchange.remote(0, 5, 0, 100.0, m0, 0), driver.exchange.remote(0, 5, 1, 300.0, m1, 0)])
+    waited = time.monotonic() - t0
+    assert 0.5 <= waited < 2.5
+    assert r0.status == r1.status == "ok" and r0.version == 1 and r0.message == r1.message
+    ref = OuterOptimizer([theta0], cfg.outer)
+    ref.step(0, [100.0, 300.0], d0, d1)
+    (glob,) = ray.get(driver.global_params.remote())
+    assert np.array_equal(glob, ref.params[0].numpy())
+    late = ray.get(driver.exchange.remote(0, 5, 2, 100.0, m2, 0))
+    assert late.status == "dropped" and late.version == 1
+    assert np.array_equal(decode_reply(torch.from_numpy(theta0), late).numpy(), glob)
+    (glob2,) = ray.get(driver.global_params.remote())
+    assert np.array_equal(glob, glob2)  # the late pseudo-gradient changed nothing
+    events = ray.get(driver.take_events.remote())
+    assert [(e["event"], e["replica"]) for e in events] == [("timeout", 2), ("late", 2)]
+    ray.kill(driver)
+
+
+def test_round_without_quorum_fails_and_leaves_the_outer_state(ray_session):
+    """Quorum 3 and one replica silent: the round fails after the timeout; the global
+    parameters and the outer optimiser state are bitwise unchanged and no update is sent."""
+    ray = ray_session
+    driver, theta0, _ = _driver(ray, quorum=3, timeout=0.3)
+    before = ray.get(driver.state_hash.remote())
+    replies = ray.get([driver.exchange.remote(0, 5, m, 1.0, _msg(m)[0], 0) for m in (0, 1)])
+    assert [r.status for r in replies] == ["failed", "failed"]
+    assert all(r.message is None and r.version == 0 for r in replies)
+    assert ray.get(driver.state_hash.remote()) == before
+    assert np.array_equal(ray.get(driver.global_params.remote())[0], theta0)
+    assert any(e["event"] == "round_failed" for e in ray.get(driver.take_events.remote()))
+    ray.kill(driver)
+
+
+def test_a_dead_member_releases_the_round_at_once(ray_session):
+    """With a 60 s timeout, a round waiting for replica 2 completes as soon as the trainer
+    removes 2 (death), and a later round does not expect it."""
+    ray = ray_session
+    driver, _, _ = _driver(ray, timeout=60)
+    pending = [driver.exchange.remote(0, 5, m, 1.0, _msg(m)[0], 0) for m in (0, 1)]
+    ready, _ = ray.wait(pending, num_returns=2, timeout=0.5)
+    assert not ready  # still waiting for replica 2
+    t0 = time.monotonic()
+    ray.get(driver.remove_member.remote(2, "test: killed"))
+    replies = ray.get(pending)
+    assert time.monotonic() - t0 < 2 and [r.status for r in replies] == ["ok", "ok"]
+    replies = ray.get([driver.exchange.remote(0, 10, m, 1.0, _msg(m)[0], 1) for m in (0, 1)])
+    assert [r.status for r in replies] == ["ok", "ok"]  # completes without a timeout
+    assert ray.get(driver.member_ids.remote()) == {0: 0, 1: 0}
+    ray.kill(driver)
+
+
+def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
+    """A replica that abstains (non-finite, found on the replica) and one whose fp32 message
+    carries a NaN are both rejected; the round proceeds with the valid one and the global
+    parameters stay finite and exact."""
+    ray = ray_session
+    driver, theta0, cfg = _driver(ray, quorum=1)
+    bad = np.random.default_rng(9).standard_normal(N).astype(np.float32)
+    bad[7] = np.nan
+    nan_msg = to_message(Packed("none", N, bad.view(np.uint8).copy(), np.zeros(0, np.float32)))
+    m0, d0 = _msg(1)
+    replies = ray.get([driver.exchange.remote(0, 5, 0, 1.0, m0, 0), driver.exchange.remote(0, 5, 1, 1.0, None, 0),
+                       driver.exchange.remote(0, 5, 2, 1.0, nan_msg, 0)])
+    assert [r.status for r in replies] == ["ok", "rejected", "rejected"]
+    ref = OuterOptimizer([theta0], cfg.outer)
+    ref.step(0, [1.0], d0)
+    (glob,) = ray.get(driver.global_params.remote())
+    assert np.isfinite(glob).all() and np.array_equal(glob, ref.params[0].numpy())
+    rejected = [e["replica"] for e in ray.get(driver.take_events.remote()) if e["event"] == "rejected"]
+    assert sorted(rejected) == [1, 2]
+    ray.kill(driver)
+
+
+# ---------------------------------------------------------------------------------------
+# with real replicas
+
+
+def _trainer(cfg, corpus, resume_state=None):
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, None, resume_state)
+    t.start()
+    return t
+
+
+def _kill(worker) -> None:
+    import ray
+
+    os.kill(ray.get(worker.pid.remote()), signal.SIGKILL)
+
+
+def _object_store_bytes() -> int:
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return int(get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used)
+
+
+def _blocker(ray, cpus: float):
+    """Hold ``cpus`` of the cluster in a placement group (a smaller cluster)."""
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([{"CPU": cpus}])
+    ray.get(pg.ready(), timeout=30)
+    return pg
+
+
+def test_nan_replica_is_rejected_reset_and_training_goes_on(ray_session, tmp_path, corpus):
+    """A NaN written into replica 1's parameters makes its pseudo-gradient non-finite: it is
+    rejected (event), replica 1 is reset to the global parameters, the global parameters stay
+    finite, and in the next outer step both replicas contribute again."""
+    ray = ray_session
+    cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=15, run__eval_every=0))
+    t = _trainer(cfg, corpus)
+    try:
+        t._round(1)
+        r1 = t.replicas[1].rank0
+        local = [np.full_like(a, np.nan) for a in
+                 ray.get([r1.local_fragment.remote(p) for p in range(t.num_fragments)])]
+        ray.get(r1.load_local.remote(local))
+        row = t._round(2)
+        assert [(e["event"], e["replica"]) for e in row["events"]] == [("rejected", 1)]
+        assert row["membership"] == {"rejected": 1}
+        glob = t.global_params()
+        assert all(np.isfinite(g).all() for g in glob)
+        assert ray.get(r1.params_hash.remote()) == row["global_sha256"]  # reset to the global parameters
+        row = t._round(3)
+        assert "events" not in row and np.isfinite(row["train_loss"])
+        assert sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1"]
+        assert np.isfinite(t.evaluate())
+    finally:
+        t.shutdown()
+
+
+def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tmp_path, corpus):
+    """M=2 grows to max_replicas=3 when the cluster frees room after outer step 2. The joiner
+    loads the global parameters (equal to every replica's and the driver's), its admission leaves
+    the outer state untouched, its pseudo-gradient before stepping is exactly zero, its data shard
+    is disjoint from the others', and at its first exchange it holds the same global parameters
+    as the other replicas."""
+    ray = ray_session
+    cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=30, run__eval_every=0,
+                                     diloco__max_replicas=3, diloco__cpus_per_worker=0.5, run__trace_syncs=True))
+    blocker = _blocker(ray, 1.0)  # 2 CPUs - 2 x 0.5 for the replicas: no room for a third
+    t = _trainer(cfg, corpus)
+    try:
+        t._round(1)
+        t._round(2)
+        assert len(t.replicas) == 2 and len(t.members.launches) == 1  # requested, waiting for room
+        assert t.members.launches[0].stage == "placing"
+        ray.util.remove_placement_group(blocker)
+        deadline = time.monotonic() + 120
+        while not t.members.poll():
+            assert time.monotonic() < deadline, "the third replica did not start"
+            time.sleep(0.2)
+        ready = [lc for lc in t.members.launches if lc.stage == "ready"]
+        before = ray.get(t.outer.state_hash.remote())
+        t.members.admit(ready, 10, t._settle)
+        assert ray.get(t.outer.state_hash.remote()) == before  # joining does not touch the outer state
+        assert [r.index for r in t.replicas] == [0, 1, 2] and t.replicas[2].slot == 2
+        events = ray.get(t.outer.take_events.remote())
+        join = next(e for e in events if e["event"] == "join")
+        zeros = tensor_hash([torch.zeros(n) for n in
+                             [len(ray.get(t.replicas[0].rank0.local_fragment.remote(p))) for p in range(t.num_fragments)]])
+        assert join["replica"] == 2 and join["step"] == 10 and join["pseudo_gradient_sha256"] == zeros
+        hashes = {ray.get(r.rank0.global_hash.remote()) for r in t.replicas}
+        assert hashes == {before["global"]}
+        windows = [set(ray.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas]
+        assert not (windows[2] & windows[0]) and not (windows[2] & windows[1])
+        row = t._round(3)
+        assert row["replicas_live"] == 3 and sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1", "replica_2"]
+        traces = [ray.get(r.rank0.sync_trace.remote()) for r in t.replicas]
+        first = traces[2][0]
+        other = next(x for x in traces[0] if x["send_step"] == first["send_step"] and x["fragment"] == first["fragment"])
+        assert torch.equal(first["old_global"], other["old_global"])
+        assert len(set(row["worker_global_sha256"])) == 1
+    finally:
+        t.shutdown()
+        try:
+            ray.util.remove_placement_group(blocker)
+        except Exception:  # already removed
+            pass
+
+
+def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session, tmp_path, corpus):
+    """Quorum 2, one of two replicas killed, no room for a replacement: 200 consecutive sync
+    rounds fail. The driver's held rounds, bytes and resident memory and the object store stay
+    within a fixed bound; once the cluster has room again a replacement joins and outer steps
+    succeed again."""
+    ray = ray_session
+    cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=False, run__steps=260, run__eval_every=0,
+                                     diloco__H=1, diloco__min_replicas=2, diloco__cpus_per_worker=0.5,
+                                     run__checkpoint_every=0))
+    t = _trainer(cfg, corpus)
+    blocker = None
+    try:
+        t._round(1)
+        _kill(t.replicas[1].rank0)
+        t._round(2)  # the death is found here; the replica and its placement group are removed
+        assert [r.index for r in t.replicas] == [0]
+        blocker = _blocker(ray, 1.5)  # the freed CPUs are taken: the replacement cannot be placed
+        mem, store = [], []
+        for k in range(3, 203):
+            t._round(k)
+            if k in (12, 202):
+                mem.append(ray.get(t.outer.memory.remote()))
+                store.append(_object_store_bytes())
+        assert mem[1]["failed_rounds"] >= 200
+        for m in mem:
+            assert m["open_rounds"] == 0 and m["finished_rounds"] <= 4 and m["events"] <= 1000
+            assert m["held_bytes"] <= 4 * (13 + 4 * 30_000)
+        assert mem[1]["rss_bytes"] - mem[0]["rss_bytes"] < 16 * 2**20
+        assert store[1] - store[0] < 4 * 2**20
+        print(f"\ndriver after 10 / 200 failed rounds: {mem}; object store {store} bytes")
+        ray.util.remove_placement_group(blocker)
+        blocker = None
+        deadline = time.monotonic() + 120
+        while not t.members.poll():  # the replacement starts while nothing trains
+            assert time.monotonic() < deadline, "the replacement did not start"
+            time.sleep(0.2)
+        rows = [t._round(k) for k in range(203, 206)]
+        assert rows[0]["replicas_live"] == 2 and [e["event"] for e in rows[0]["events"]][:1] == ["join"]
+        assert all(r.get("fragment_syncs") == 1 for r in rows)  # outer steps complete again
+    finally:
+        t.shutdown()
+        if blocker is not None:
+            ray.util.remove_placement_group(blocker)
+
+
+def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
+    """The driver is SIGKILLed at a random point; the run stops with a ClusterError naming the
+    driver. Resuming from the last checkpoint finishes the run, and the outer step after the
+    restored checkpoint is bitwise equal to an uninterrupted run's (deterministic mode)."""
+    from ray_diloco.checkpoint import latest_checkpoint, load_checkpoint
+
+    ray = ray_session
+    over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
+                run__steps=40, diloco__H=5, streaming__fragments=2, streaming__overlap_steps=1,
+                streaming__quantization="fp4_e3m0")
+    ref = _trainer(load_config(tiny_overrides(tmp_path, run__name="ref", **over)), corpus)
+    try:
+        rows = {k: ref._round(k) for k in range(1, 9)}
+    finally:
+        ref.shutdown()
+    t = _trainer(load_config(tiny_overrides(tmp_path, run__name="killed", **over)), corpus)
+    pid = ray.get(t.outer.ping.remote())
+    rng = random.Random()
+    k_kill = rng.randint(2, 5)
+    killer = threading.Timer(rng.uniform(0.0, 0.3), os.kill, (pid, signal.SIGKILL))
+    try:
+        with pytest.raises((ClusterError, ray.exceptions.RayError)) as err:
+            for k in range(1, 9):
+                if k == k_kill:
+                    killer.start()  # somewhere in this round, its checkpoint or the next round
+                t._round(k)
+                t.checkpoint()
+        assert isinstance(err.value, ray.exceptions.RayError) or "driver" in str(err.value)
+    finally:
+        if killer.is_alive():
+            killer.join()
+        t.shutdown()
+    k0, path = latest_checkpoint(t.run_dir)
+    assert k_kill - 1 <= k0 <= 7
+    state = load_checkpoint(path)
+    cfg = load_config(tiny_overrides(tmp_path, run__name="resumed", **over))
+    t2 = _trainer(cfg, corpus, resume_state=state)
+    try:
+        again = {k: t2._round(k) for k in range(k0 + 1, 9)}
+    finally:
+        t2.shutdown()
+    assert sorted(again) == list(range(k0 + 1, 9))  # the run finishes
+    first = again[k0 + 1]
+    for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "train_loss"):
+        assert first[key] == rows[k0 + 1][key], key
+    assert again[8]["global_sha256"] == rows[8]["global_sha256"]
+
+
+@pytest.mark.slow
+def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path, corpus):
+    """M=3: a random replica is SIGKILLed at a random point in 3 different outer steps (twice
+    during inner steps, once while a sync round is open on the driver). The run completes every
+    step, no outer step waits more than sync_timeout_s + 5 s beyond the slowest fault-free one,
+    all live replicas hold the driver's global parameters after each outer step, and the final
+    validation loss is within 3% of a fault-free run's."""
+    ray = ray_session
+    over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=240, diloco__H=10,
+                diloco__replicas=3, inner__global_batch=12, diloco__sync_timeout_s=5.0, network__latency_ms=50.0)
+
+    def run(name, kills):
+        t = _trainer(load_config(tiny_overrides(tmp_path, run__name=name, **over)), corpus)
+        rows = []
+        try:
+            for k in range(1, 25):
+                killer = None
+                if k in kills:
+                    killer = threading.Thread(target=_chaos_kill, args=(t, kills[k]))
+                    killer.start()
+                rows.append(t._round(k))
+                if killer is not None:
+                    killer.join()
+            return rows, t.evaluate()
+        finally:
+            t.shutdown()
+
+    clean_rows, clean_loss = run("clean", {})
+    rng = random.Random()
+    steps = sorted(rng.sample(range(3, 20), 3))
+    kills = {steps[0]: "inner", steps[1]: "exchange", steps[2]: "inner"}
+    rows, loss = run("chaos", kills)
+    assert [r["outer_step"] for r in rows] == list(range(1, 25))
+    slowest = max(r["round_s"] for r in clean_rows)
+    assert max(r["round_s"] for r in rows) <= slowest + 5.0 + 5.0
+    for r in rows:
+        assert set(r["worker_global_sha256"]) == {r["global_sha256"]}, r["outer_step"]
+    deaths = sum(r.get("membership", {}).get("death", 0) for r in rows[-1:])
+    assert deaths == 3, rows[-1].get("membership")
+    assert rows[-1]["membership"].get("join", 0) >= 1
+    assert abs(loss - clean_loss) / clean_loss < 0.03, (loss, clean_loss, kills)
+
+
+def _chaos_kill(t, mode: str) -> None:
+    """Kill a random live replica's rank 0: after a random delay (``inner``) or as soon as a
+    sync round is open on the driver (``exchange``)."""
+    import ray
+
+    rng = random.Random()
+    if mode == "inner":
+        time.sleep(rng.uniform(0.05, 0.4))
+    else:
+        deadline = time.monotonic() + 30
+        while ray.get(t.outer.pending_rounds.remote()) == 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+    victims = list(t.replicas)
+    if victims:
+        try:
+            _kill(rng.choice(victims).rank0)
+        except ray.exceptions.RayError:
+            pass  # it died on its own meanwhile
