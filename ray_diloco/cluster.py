@@ -147,6 +147,28 @@ def _place(cfg: Config, index: int, slot: int, world: int, strategy: str, join_s
     return Replica(index, [], pg, slot, join_step)
 
 
+def placed(pg: Any) -> bool:
+    """True once the placement group's bundles are reserved (asked of the GCS: unlike
+    ``pg.ready()`` this needs no worker process, so it answers in milliseconds)."""
+    from ray.util.placement_group import placement_group_table
+
+    return placement_group_table(pg).get("state") == "CREATED"
+
+
+def wait_placed(pgs: list[Any], timeout_s: float) -> Any | None:
+    """Wait until every placement group is placed; returns the first one still pending at
+    ``timeout_s`` seconds (None when all are placed)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for pg in pgs:
+        while not placed(pg):
+            if time.monotonic() > deadline:
+                return pg
+            time.sleep(0.02)
+    return None
+
+
 def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None) -> None:
     """Create the replica's worker actors in its (placed) placement group."""
     import ray
@@ -186,14 +208,12 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, m
     try:
         for m, slot, j, world, strategy in layout:
             replicas.append(_place(cfg, m, slot, world, strategy, j))
-        for r in replicas:
-            try:
-                ray.get(r.placement_group.ready(), timeout=d.placement_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise ClusterError(
-                    f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
-                    f"({len(r.placement_group.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time"
-                ) from None
+        stuck = wait_placed([r.placement_group for r in replicas], d.placement_timeout_s)
+        if stuck is not None:
+            r = next(r for r in replicas if r.placement_group is stuck)
+            raise ClusterError(
+                f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
+                f"({len(stuck.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time")
         for (_, _, _, world, _), r in zip(layout, replicas):
             _spawn(cfg, r, world, vocab_size, model_fn)
         masters = ray.get([r.rank0.node_address.remote() for r in replicas])
@@ -227,8 +247,7 @@ class ReplicaLaunch:
 
         r, world = self.replica, cfg.diloco.workers_per_replica
         if self.stage == "placing":
-            ready, _ = ray.wait([r.placement_group.ready()], timeout=0)
-            if not ready:
+            if not placed(r.placement_group):
                 return False
             _spawn(cfg, r, world, vocab_size, model_fn)
             self.refs, self.stage = [r.rank0.node_address.remote()], "starting"
@@ -280,6 +299,14 @@ def all_workers(replicas: list[Replica]) -> list[Any]:
 
 
 def error_cause(e: BaseException) -> str:
-    """The last non-empty line of a Ray error's cause (at most 300 characters), for one-line messages."""
+    """The last non-empty line of a Ray error's cause (at most 300 characters), for one-line
+    messages; an actor's death is said in a few words (its exit type, from Ray's message)."""
+    import re
+
+    import ray
+
+    if isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.RayTaskError):
+        kind = re.search(r"Worker exit type: (\w+)", str(e))
+        return "its worker process died" + (f" ({kind.group(1)})" if kind else "")
     text = str(getattr(e, "cause", None) or e).strip().splitlines()
     return next((ln for ln in reversed(text) if ln.strip()), type(e).__name__)[:300]

@@ -301,13 +301,16 @@ class Trainer:
 
         cfg = self.cfg
         start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
-        self._membership(start)
-        t0 = time.perf_counter()
-        calls = {w.train.remote(start, end): r for r in self.replicas for w in r.workers}
-        metrics = self._gather(calls, straggler_s=cfg.diloco.sync_timeout_s if self.outer is not None else None)
-        wall = time.perf_counter() - t0
-        if not metrics:
-            raise ClusterError(f"outer step {k}: every replica failed")
+        while True:
+            self._membership(start)
+            t0 = time.perf_counter()
+            calls = {w.train.remote(start, end): r for r in self.replicas for w in r.workers}
+            metrics = self._gather(calls, straggler_s=cfg.diloco.sync_timeout_s if self.outer is not None else None)
+            wall = time.perf_counter() - t0
+            if metrics:
+                break
+            # every replica died during this outer step: run it again with the replacements
+            print(f"outer step {k}: every replica failed; running it again once replacements join", file=sys.stderr)
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         n_tokens = int(sum(mtr["tokens"] for mtr in metrics if mtr["rank"] == 0 or cfg.algorithm == "dp"))
         if cfg.algorithm == "dp":
@@ -346,7 +349,6 @@ class Trainer:
                 st.membership[ev["event"]] = st.membership.get(ev["event"], 0) + 1
                 if ev["event"] not in ("launch",):
                     print(f"membership: {_describe(ev)}", file=sys.stderr)
-            row["replicas_live"] = len(self.replicas)
             row["replicas_target"] = self.members.target
             row["membership"] = dict(st.membership)
             if events:
@@ -385,6 +387,8 @@ class Trainer:
                 row.update({f"{k}_sha256": v for k, v in ray.get(self.outer.state_hash.remote()).items()})
             row["worker_global_sha256"] = self._gather({w.global_hash.remote(): r for r in self.replicas
                                                         for w in r.workers})
+        if self.outer is not None:
+            row["replicas_live"] = len(self.replicas)  # after this step's deaths
         return row
 
     def _settle(self) -> None:

@@ -335,7 +335,6 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
     step, no outer step waits more than sync_timeout_s + 5 s beyond the slowest fault-free one,
     all live replicas hold the driver's global parameters after each outer step, and the final
     validation loss is within 3% of a fault-free run's."""
-    ray = ray_session
     over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=240, diloco__H=10,
                 diloco__replicas=3, inner__global_batch=12, diloco__sync_timeout_s=5.0, network__latency_ms=50.0)
 
@@ -363,8 +362,9 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
     assert [r["outer_step"] for r in rows] == list(range(1, 25))
     slowest = max(r["round_s"] for r in clean_rows)
     assert max(r["round_s"] for r in rows) <= slowest + 5.0 + 5.0
-    for r in rows:
-        assert set(r["worker_global_sha256"]) == {r["global_sha256"]}, r["outer_step"]
+    for r in rows:  # (a round may end with no replica alive until the replacements join)
+        assert len(r["worker_global_sha256"]) == r["replicas_live"], r["outer_step"]
+        assert set(r["worker_global_sha256"]) <= {r["global_sha256"]}, (r["outer_step"], r.get("events"), kills)
     deaths = sum(r.get("membership", {}).get("death", 0) for r in rows[-1:])
     assert deaths == 3, rows[-1].get("membership")
     assert rows[-1]["membership"].get("join", 0) >= 1
