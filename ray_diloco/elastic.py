@@ -83,11 +83,11 @@ class Membership:
     def _event(self, kind: str, replica: int | None, **info: Any) -> None:
         self.events.append({"event": kind, "replica": replica, "time": time.time(), **info})
 
-    def top_up(self, step: int) -> None:
+    def top_up(self) -> None:
         """Request new replicas (in free slots) until live + starting reaches the target."""
         for slot in self.free_slots()[: max(0, self.target - len(self.live) - len(self.launches))]:
-            self.launches.append(launch_replica(self.cfg, self.next_id, slot, step))
-            self._event("launch", self.next_id, slot=slot, step=step)
+            self.launches.append(launch_replica(self.cfg, self.next_id, slot, 0))
+            self._event("launch", self.next_id, slot=slot)
             self.next_id += 1
 
     def poll(self) -> list[ReplicaLaunch]:
@@ -157,6 +157,7 @@ class Membership:
         ray.get(self.driver.remove_member.remote(r.index, reason, kind))
         if kind == "death":
             self._count_failure(r.index, reason, recorded=True)
+            self.top_up()  # the replacement starts now; it joins at an outer-step boundary
 
     def _count_failure(self, replica: int, reason: str, recorded: bool = False) -> None:
         self.failures += 1

@@ -285,7 +285,7 @@ class Trainer:
         if self.outer is None:
             return
         m.admit(m.poll(), step, self._settle)
-        m.top_up(step)
+        m.top_up()
         deadline = time.monotonic() + self.cfg.diloco.placement_timeout_s
         while not m.live:
             if time.monotonic() > deadline:
@@ -345,10 +345,14 @@ class Trainer:
                     per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
                 row["sync_bytes_fragment"] = per_fragment
             events = self.members.take_events() + ray.get(self.outer.take_events.remote())
+            failed = [ev for ev in events if ev["event"] == "round_failed"]
             for ev in events:
                 st.membership[ev["event"]] = st.membership.get(ev["event"], 0) + 1
-                if ev["event"] not in ("launch",):
+                if ev["event"] not in ("launch", "round_failed"):
                     print(f"membership: {_describe(ev)}", file=sys.stderr)
+            if failed:  # one line per outer step: with a small H these come every step
+                print(f"membership: {len(failed)} sync round(s) failed in outer step {k} (the last: "
+                      f"{_describe(failed[-1])})", file=sys.stderr)
             row["replicas_target"] = self.members.target
             row["membership"] = dict(st.membership)
             if events:

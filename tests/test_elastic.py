@@ -248,10 +248,14 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
     blocker = None
     try:
         t._round(1)
+        # node loss: replica 1's process dies and its node's CPUs are gone (here: its placement
+        # group is removed and the CPUs taken), so the replacement cannot be placed
         _kill(t.replicas[1].rank0)
-        t._round(2)  # the death is found here; the replica and its placement group are removed
+        ray.util.remove_placement_group(t.replicas[1].placement_group)
+        blocker = _blocker(ray, 1.5)
+        t._round(2)  # the death is found here; the replica is removed and a replacement requested
         assert [r.index for r in t.replicas] == [0]
-        blocker = _blocker(ray, 1.5)  # the freed CPUs are taken: the replacement cannot be placed
+        assert t.members.launches and t.members.launches[0].stage == "placing"
         mem, store = [], []
         for k in range(3, 203):
             t._round(k)
@@ -389,3 +393,41 @@ def _chaos_kill(t, mode: str) -> None:
             _kill(rng.choice(victims).rank0)
         except ray.exceptions.RayError:
             pass  # it died on its own meanwhile
+
+
+def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, tmp_path, corpus):
+    """Replica 1 dies and is replaced by replica 2 in its data slot (continuing that slot's read
+    position). A checkpoint taken then restores the same members (ids, slots, join steps) and the
+    next outer step is bitwise equal to the run that went on without stopping."""
+    from ray_diloco.checkpoint import latest_checkpoint, load_checkpoint
+
+    ray = ray_session
+    over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
+                run__steps=40, diloco__H=5, diloco__cpus_per_worker=0.5)
+    t = _trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus)
+    try:
+        t._round(1)
+        _kill(t.replicas[1].rank0)
+        row = t._round(2)
+        assert row["replicas_live"] == 1 and row["membership"]["death"] == 1
+        deadline = time.monotonic() + 120
+        while not t.members.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        row = t._round(3)  # replica 2 joins at step 10 in slot 1
+        assert [(r.index, r.slot, r.join_step) for r in t.replicas] == [(0, 0, 0), (2, 1, 10)]
+        t.checkpoint()
+        ahead = t._round(4)
+    finally:
+        t.shutdown()
+    _, path = latest_checkpoint(t.run_dir)
+    state = load_checkpoint(path)
+    assert state["membership"]["members"] == [[0, 0, 0], [2, 1, 10]]
+    t2 = _trainer(load_config(tiny_overrides(tmp_path, run__name="b", **over)), corpus, resume_state=state)
+    try:
+        assert [(r.index, r.slot, r.join_step) for r in t2.replicas] == [(0, 0, 0), (2, 1, 10)]
+        again = t2._round(4)
+    finally:
+        t2.shutdown()
+    for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss"):
+        assert again[key] == ahead[key], key
