@@ -182,7 +182,8 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
         r.workers.append(Worker.options(
             num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
-        ).remote(cfg.to_dict(), r.index, rank, world, r.slot * world + rank, cfg.num_shards, vocab_size, model_fn))
+        ).remote(cfg.to_dict(), r.index, rank, world, max(r.slot, 0) * world + rank, cfg.num_shards, vocab_size,
+                 model_fn))  # slot -1: not known until the replica joins (it then moves to its shard)
 
 
 def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,

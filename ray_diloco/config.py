@@ -104,6 +104,8 @@ class DiLoCoConfig:
     max_replicas: int | None = None  # None: diloco.replicas (no scale-up)
     sync_timeout_s: float = 60.0
     max_failures: int = 20
+    join_inner_state: str = "peer"  # a joiner's inner optimiser: a live replica's state, or "fresh"
+    spare_replicas: int = 0  # hot spares: started and set up in advance, admitted when a replica dies
 
 
 @dataclass
@@ -437,6 +439,11 @@ def validate_config(cfg: Config) -> None:
     need(d.sync_timeout_s > 0 and math.isfinite(d.sync_timeout_s), "diloco.sync_timeout_s", d.sync_timeout_s,
          "must be a finite number of seconds > 0")
     need(d.max_failures >= 0, "diloco.max_failures", d.max_failures, "must be an integer >= 0")
+    need(d.spare_replicas >= 0, "diloco.spare_replicas", d.spare_replicas, "must be an integer >= 0")
+    if cfg.algorithm == "dp" and d.spare_replicas:
+        e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
+    need(d.join_inner_state in ("peer", "fresh"), "diloco.join_inner_state", d.join_inner_state,
+         "must be one of peer, fresh")
     if cfg.algorithm == "dp" and (d.max_replicas or d.replicas) != d.replicas:
         e.append(f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
                  "(the DP baseline is one fixed DDP group)")

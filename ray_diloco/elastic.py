@@ -9,9 +9,11 @@ replicas start in the background (:class:`~ray_diloco.cluster.ReplicaLaunch`) an
 at the next outer-step boundary:
 
 1. every live worker settles its syncs in flight, so the driver's global parameters are final;
-2. the joiner loads the global parameters of every fragment (and their versions), starts a
-   fresh inner optimiser, takes a free data slot at the position its last reader reached, and
-   follows the global inner lr schedule from the current step (no second warm-up);
+2. the joiner loads the global parameters of every fragment (and their versions), takes the
+   inner-optimiser state of a live replica (``diloco.join_inner_state: peer``, the default:
+   AdamW moments that match the current lr, as torchft heals from a peer) or a fresh one
+   (``fresh``), takes a free data slot at the position its last reader reached, and follows the
+   global inner lr schedule from the current step (no second warm-up);
 3. the driver expects it in every round sent after that step.
 
 Events (join, leave, death with reason; the driver adds timeout, late, rejected and
@@ -75,8 +77,8 @@ class Membership:
                 self.slot_readers.setdefault(r.slot, [None] * W)[m["rank"]] = m["reader"]
 
     def free_slots(self) -> list[int]:
-        """Data slots no live or starting replica reads."""
-        used = {r.slot for r in self.live} | {lc.replica.slot for lc in self.launches}
+        """Data slots no live replica reads (a starting replica gets its slot when it joins)."""
+        used = {r.slot for r in self.live}
         return [s for s in range(self.cfg.num_slots) if s not in used]
 
     # -- changes -----------------------------------------------------------------------------
@@ -84,10 +86,13 @@ class Membership:
         self.events.append({"event": kind, "replica": replica, "time": time.time(), **info})
 
     def top_up(self) -> None:
-        """Request new replicas (in free slots) until live + starting reaches the target."""
-        for slot in self.free_slots()[: max(0, self.target - len(self.live) - len(self.launches))]:
-            self.launches.append(launch_replica(self.cfg, self.next_id, slot, 0))
-            self._event("launch", self.next_id, slot=slot)
+        """Request new replicas until live + starting reaches the target plus
+        ``diloco.spare_replicas`` (hot spares: started and set up, admitted the moment a
+        replica is missing)."""
+        want = self.target + self.cfg.diloco.spare_replicas - len(self.live) - len(self.launches)
+        for _ in range(max(0, want)):
+            self.launches.append(launch_replica(self.cfg, self.next_id, -1, 0))
+            self._event("launch", self.next_id)
             self.next_id += 1
 
     def poll(self) -> list[ReplicaLaunch]:
@@ -112,19 +117,29 @@ class Membership:
         A joiner that fails here is removed like a death."""
         import ray
 
-        if not ready:
+        ready = ready[: max(0, self.target - len(self.live))]  # the others stay as spares
+        slots = self.free_slots()
+        if not ready or not slots:
             return
         settle()
         refs = ray.get(self.driver.global_refs.remote())
         versions = ray.get(self.driver.global_versions.remote())
+        peer = None
+        if self.cfg.diloco.join_inner_state == "peer" and self.live:
+            try:
+                peer = self.live[0].rank0.inner_optimizer_state.remote()
+                ray.wait([peer], timeout=30)
+            except ray.exceptions.RayError:
+                peer = None
         for lc in ready:
             self.launches.remove(lc)
             r = lc.replica
-            r.join_step = step
+            r.join_step, r.slot = step, slots.pop(0)
             positions = self.slot_readers.get(r.slot) or [None] * len(r.workers)
             try:
                 ray.get([w.attach.remote(self.driver, self.schedule) for w in r.workers])
-                zero = ray.get([w.join.remote(refs, versions, step, positions[rank])
+                W = len(r.workers)
+                zero = ray.get([w.join.remote(refs, versions, step, positions[rank], peer, r.slot * W + rank)
                                 for rank, w in enumerate(r.workers)])
             except ray.exceptions.RayError as e:
                 stop_replicas([r])

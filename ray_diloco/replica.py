@@ -337,16 +337,30 @@ class ReplicaWorker:
                 unflatten_into(self.params, f, g)
         self.optimizer.state.clear()
 
-    def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None) -> str:
+    def inner_optimizer_state(self) -> dict[str, Any]:
+        """A copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
+        return copy.deepcopy(self.optimizer.state_dict())
+
+    def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
+             optimizer_state: dict[str, Any] | None = None, shard: int | None = None) -> str:
         """Start as a joiner at inner step ``step``: local and global parameters <- the driver's
-        global fragments (object refs of fp32 ``[numel_p]``) at ``versions``, a fresh inner
-        optimiser, no sync in flight, the slot's data position (None: the shard's start).
+        global fragments (object refs of fp32 ``[numel_p]``) at ``versions``; the inner optimiser
+        from ``optimizer_state`` (a live peer's, ``diloco.join_inner_state: peer``) or fresh; no
+        sync in flight; data shard ``shard`` (default: the one it was started with) at the slot's
+        position (None: the shard's start).
         Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero)."""
         for f, g in enumerate(ray.get(list(global_refs))):
             self.load_global(f, g, versions[f])
-        self.optimizer.state.clear()
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        else:
+            self.optimizer.state.clear()
         self.pending, self.last_send = [], [step] * len(self.fragments)
         self.comm = CommCounters()
+        if shard is not None and shard != self.shard:
+            self.shard = shard
+            self.reader = ShardReader(self.reader.tokens, self.cfg.data.seq_len, shard, self.num_shards,
+                                      self.cfg.run.seed)
         if reader_state is not None:
             self.reader.load_state(reader_state)
         return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)])

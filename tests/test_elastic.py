@@ -334,19 +334,27 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
 
 @pytest.mark.slow
 def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path, corpus):
-    """M=3: a random replica is SIGKILLed at a random point in 3 different outer steps (twice
-    during inner steps, once while a sync round is open on the driver). The run completes every
+    """M=3 with one hot spare, outer steps of about 3 s (longer than a replacement's start on
+    this machine, as on real clusters where an outer step takes minutes): a random replica is
+    SIGKILLed at a random point in 3 different outer steps (twice during inner steps, once while
+    a sync round is open on the driver). The run completes every
     step, no outer step waits more than sync_timeout_s + 5 s beyond the slowest fault-free one,
     all live replicas hold the driver's global parameters after each outer step, and the final
     validation loss is within 3% of a fault-free run's."""
-    over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=240, diloco__H=10,
-                diloco__replicas=3, inner__global_batch=12, diloco__sync_timeout_s=5.0, network__latency_ms=50.0)
+    over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=2160, diloco__H=180,
+                diloco__replicas=3, inner__global_batch=12, diloco__sync_timeout_s=5.0, network__latency_ms=50.0,
+                diloco__spare_replicas=1, diloco__cpus_per_worker=0.5)
 
     def run(name, kills):
         t = _trainer(load_config(tiny_overrides(tmp_path, run__name=name, **over)), corpus)
         rows = []
         try:
-            for k in range(1, 25):
+            t.members.top_up()  # the run starts with its spare up
+            deadline = time.monotonic() + 120
+            while not t.members.poll():
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            for k in range(1, 13):
                 killer = None
                 if k in kills:
                     killer = threading.Thread(target=_chaos_kill, args=(t, kills[k]))
@@ -360,10 +368,11 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
 
     clean_rows, clean_loss = run("clean", {})
     rng = random.Random()
-    steps = sorted(rng.sample(range(3, 20), 3))
+    steps = sorted(rng.sample(range(2, 10), 3))
     kills = {steps[0]: "inner", steps[1]: "exchange", steps[2]: "inner"}
     rows, loss = run("chaos", kills)
-    assert [r["outer_step"] for r in rows] == list(range(1, 25))
+    print(f"\nchaos {kills}: final loss {loss:.4f} vs fault-free {clean_loss:.4f} ({loss / clean_loss - 1:+.2%})")
+    assert [r["outer_step"] for r in rows] == list(range(1, 13))
     slowest = max(r["round_s"] for r in clean_rows)
     assert max(r["round_s"] for r in rows) <= slowest + 5.0 + 5.0
     for r in rows:  # (a round may end with no replica alive until the replacements join)
