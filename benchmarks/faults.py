@@ -1,0 +1,124 @@
+"""Recovery from replica deaths on the tiny model: how long until training goes on, how long a
+replacement takes to join, and what the faults cost in loss.
+
+Runs on a local Ray cluster, the `tiny` preset, M=2 replicas, H=50, the bundled corpus:
+
+    fault-free      no faults (the reference loss)
+    kill            one replica's process is SIGKILLed at a random point of outer step K; the
+                    replacement is started then (actor start-up, model build, data shard)
+    kill+spare      the same with ``diloco.spare_replicas=1``: a set-up spare joins instead
+
+For each faulty run it prints: seconds from the kill until Ray reports the death and the driver
+stops waiting (detect), seconds from the kill until the next outer step completes (next step),
+seconds from the replacement's request until it joins (admit), seconds from the kill until it
+joins, and the final validation loss of the global parameters beside the fault-free one.
+
+    python benchmarks/faults.py [--steps 600] [--kill-step 5] [--seed 0] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, seed: int) -> dict:
+    import ray
+
+    from ray_diloco.config import load_config
+    from ray_diloco.data import load_corpus
+    from ray_diloco.trainer import Trainer, _new_run_dir
+
+    cfg = load_config(None, ["diloco.replicas=2", "diloco.H=50", f"run.steps={steps}", "run.eval_every=0",
+                             "run.checkpoint_every=0", f"run.output_dir={out_dir}", f"run.name={name}",
+                             "tracking.wandb=false", "tracking.progress=false", "diloco.cpus_per_worker=0.5",
+                             f"diloco.spare_replicas={spare}", f"run.seed={seed}"])
+    corpus = load_corpus(cfg.data)
+    t = Trainer(cfg, _new_run_dir(cfg), corpus)
+    t.start()
+    out: dict = {"run": name}
+    try:
+        if spare:  # the run starts with its spare set up
+            t.members.top_up()
+            while not t.members.poll():
+                time.sleep(0.1)
+        killed_at: list[float] = []
+
+        def kill() -> None:
+            time.sleep(random.Random(seed).uniform(0.2, 1.5))
+            victim = t.replicas[-1].rank0
+            pid = ray.get(victim.pid.remote())
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        events = []
+        for k in range(1, cfg.num_outer_steps + 1):
+            killer = threading.Thread(target=kill) if k == kill_step else None
+            if killer:
+                killer.start()
+            row = t._round(k)
+            done = time.monotonic()
+            if killer:
+                killer.join()
+            for ev in row.get("events", []):
+                events.append({**ev, "seen": done, "outer_step": k})
+            if killed_at and "next_step_s" not in out and k > kill_step - 1 and done > killed_at[0]:
+                if any(e["event"] == "death" for e in events):
+                    out["next_step_s"] = done - killed_at[0]
+        out["final_eval_loss"] = t.evaluate()
+        if killed_at:
+            death = next(e for e in events if e["event"] == "death")
+            join = next((e for e in events if e["event"] == "join"), None)
+            wall_now = time.time() - time.monotonic()  # event times are wall-clock
+            out["detect_s"] = death["time"] - wall_now - killed_at[0]
+            if join is not None:
+                out["admit_s"] = join["admit_s"]
+                out["kill_to_join_s"] = join["time"] - wall_now - killed_at[0]
+                out["join_outer_step"] = join["outer_step"]
+    finally:
+        t.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--kill-step", type=int, default=5, help="outer step in which a replica is killed")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    rows = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for name, kill_step, spare in [("fault-free", None, 0), ("kill", args.kill_step, 0),
+                                       ("kill+spare", args.kill_step, 1)]:
+            print(f"-- {name}", file=sys.stderr)
+            rows.append(run(name, args.steps, kill_step, spare, out_dir, args.seed))
+    ray.shutdown()
+    ref = rows[0]["final_eval_loss"]
+    print(f"\n{'run':<12} {'detect s':>9} {'next step s':>12} {'admit s':>8} {'kill->join s':>13} {'join step':>10} "
+          f"{'final loss':>11} {'gap':>7}")
+    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    for r in rows:
+        r["loss_gap"] = r["final_eval_loss"] / ref - 1
+        print(f"{r['run']:<12} {fmt(r.get('detect_s'), '9.2f')} {fmt(r.get('next_step_s'), '12.2f')} "
+              f"{fmt(r.get('admit_s'), '8.2f')} {fmt(r.get('kill_to_join_s'), '13.2f')} "
+              f"{fmt(r.get('join_outer_step'), '10d')} {r['final_eval_loss']:11.4f} {r['loss_gap']:+7.2%}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
