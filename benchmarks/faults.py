@@ -9,9 +9,10 @@ Runs on a local Ray cluster, the `tiny` preset, M=2 replicas, H=50, the bundled 
     kill+spare      the same with ``diloco.spare_replicas=1``: a set-up spare joins instead
 
 For each faulty run it prints: seconds from the kill until Ray reports the death and the driver
-stops waiting (detect), seconds from the kill until the next outer step completes (next step),
-seconds from the replacement's request until it joins (admit), seconds from the kill until it
-joins, and the final validation loss of the global parameters beside the fault-free one.
+stops waiting (detect), seconds from the kill until the next outer step completes (next step), seconds from the
+joiner's launch request until it joins (start-up; for the spare that is since the run began),
+seconds from the kill until a replica joins in its place, and the final validation loss of the
+global parameters beside the fault-free one.
 
     python benchmarks/faults.py [--steps 600] [--kill-step 5] [--seed 0] [--json PATH]
 """
@@ -107,13 +108,13 @@ def main() -> None:
             rows.append(run(name, args.steps, kill_step, spare, out_dir, args.seed))
     ray.shutdown()
     ref = rows[0]["final_eval_loss"]
-    print(f"\n{'run':<12} {'detect s':>9} {'next step s':>12} {'admit s':>8} {'kill->join s':>13} {'join step':>10} "
+    print(f"\n{'run':<12} {'detect s':>9} {'next step s':>12} {'start-up s':>10} {'kill->join s':>13} {'join step':>10} "
           f"{'final loss':>11} {'gap':>7}")
-    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    fmt = lambda v, f: format(v, f) if v is not None else format("-", ">" + f[:-1].split(".")[0])  # noqa: E731
     for r in rows:
         r["loss_gap"] = r["final_eval_loss"] / ref - 1
         print(f"{r['run']:<12} {fmt(r.get('detect_s'), '9.2f')} {fmt(r.get('next_step_s'), '12.2f')} "
-              f"{fmt(r.get('admit_s'), '8.2f')} {fmt(r.get('kill_to_join_s'), '13.2f')} "
+              f"{fmt(r.get('admit_s'), '10.2f')} {fmt(r.get('kill_to_join_s'), '13.2f')} "
               f"{fmt(r.get('join_outer_step'), '10d')} {r['final_eval_loss']:11.4f} {r['loss_gap']:+7.2%}")
     if args.json:
         with open(args.json, "w") as fh:

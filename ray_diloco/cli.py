@@ -53,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--from-step", type=int, default=0, help="list the syncs after this inner step (default 0)")
     pl.add_argument("--next", type=int, default=3, dest="upcoming", help="sync steps listed per fragment (default 3)")
     pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
+
+    sc = sub.add_parser("scale", help="change the number of replicas of a running DiLoCo run")
+    sc.add_argument("run_dir", metavar="RUN_DIR")
+    sc.add_argument("--replicas", type=int, required=True,
+                    help="replicas from the next outer step on: more start when the cluster has room, extra ones leave")
     return ap
 
 
@@ -110,6 +115,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_scale(a: argparse.Namespace) -> int:
+    from .elastic import request_scale
+
+    path = request_scale(a.run_dir, a.replicas)
+    print(f"asked for {a.replicas} replica(s) from the next outer step ({path})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ray-diloco`` console script; returns the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
-                "plan": _cmd_plan}
+                "plan": _cmd_plan, "scale": _cmd_scale}
     try:
         return handlers[a.command](a)
     except RayDilocoError as e:

@@ -22,13 +22,58 @@ round_failed) are collected each outer step for the log, ``metrics.jsonl`` and W
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from .cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
 from .config import Config
-from .errors import ClusterError
+from .errors import ClusterError, ConfigError
 from .model import ModelFn
+
+
+#: The file in a run directory that ``ray-diloco scale`` writes and a running trainer reads
+#: at every outer-step boundary: ``{"replicas": N}``.
+SCALE_FILE = "scale.json"
+
+
+def request_scale(run_dir: str | Path, replicas: int) -> Path:
+    """Ask the run in ``run_dir`` to run ``replicas`` replicas from its next outer step
+    (``ray-diloco scale``): more start when the cluster has room, extra ones leave cleanly.
+    Written atomically.
+
+    Raises:
+        ConfigError: not a run directory, or ``replicas`` outside
+            ``[diloco.min_replicas, max(diloco.replicas, diloco.max_replicas)]``.
+    """
+    from .config import load_config
+
+    run_dir = Path(run_dir).expanduser()
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError([f"scale {run_dir}: not a run directory (no config.yaml)"])
+    cfg = load_config(run_dir / "config.yaml")
+    d = cfg.diloco
+    if cfg.algorithm != "diloco":
+        raise ConfigError([f"scale {run_dir}: algorithm = {cfg.algorithm!r}; only diloco runs are elastic"])
+    if not d.min_replicas <= replicas <= cfg.num_slots:
+        raise ConfigError([f"--replicas = {replicas}: must be in [diloco.min_replicas = {d.min_replicas}, "
+                           f"max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]"])
+    path = run_dir / SCALE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"replicas": replicas}))
+    os.replace(tmp, path)
+    return path
+
+
+def read_scale(run_dir: Path, cfg: Config) -> int | None:
+    """The replica count asked for with :func:`request_scale` (None: none, or unreadable)."""
+    try:
+        n = int(json.loads((Path(run_dir) / SCALE_FILE).read_text())["replicas"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return n if cfg.diloco.min_replicas <= n <= cfg.num_slots else None
 
 
 class Membership:
@@ -186,6 +231,18 @@ class Membership:
         """Trainer-side events since the last call."""
         out, self.events = self.events, []
         return out
+
+    def set_target(self, n: int) -> list[Replica]:
+        """Run ``n`` replicas from now on: launches beyond it are cancelled; returns the live
+        replicas that must leave (the newest first), for the caller to remove with
+        :meth:`lose` (``kind="leave"``) after their syncs settle."""
+        if n == self.target:
+            return []
+        self._event("scale", None, target=n, previous=self.target)
+        self.target = n
+        while self.launches and len(self.live) + len(self.launches) > n + self.cfg.diloco.spare_replicas:
+            stop_replicas([self.launches.pop().replica])
+        return sorted(self.live, key=lambda r: r.index)[n:][::-1]
 
     def shutdown(self) -> None:
         """Remove the replicas still starting."""

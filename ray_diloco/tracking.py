@@ -54,6 +54,7 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._file = open(self.metrics_path, "a", buffering=1)
         self.wandb_run = None
+        self._events: list[list[Any]] = []  # membership events so far (W&B table rows)
         self._start_wandb()
         self.bar = None
         if cfg.tracking.progress:
@@ -105,6 +106,14 @@ class Tracker:
                     for sub, x in items:
                         if isinstance(x, (int, float)) and not isinstance(x, bool) and x is not None:
                             flat[k if sub is None else f"{k}/{sub}"] = x
+                if row.get("events"):  # membership events as a table (the counts are in membership/*)
+                    import wandb
+
+                    self._events += [[row.get("outer_step"), e.get("event"), e.get("replica"),
+                                      json.dumps({x: y for x, y in e.items() if x not in ("event", "replica")})]
+                                     for e in row["events"]]
+                    flat["membership_events"] = wandb.Table(columns=["outer_step", "event", "replica", "info"],
+                                                            data=self._events)
                 self.wandb_run.log(flat, step=int(row.get("inner_step", 0)))
             except Exception as e:
                 print(f"warning: W&B logging stopped ({type(e).__name__})", file=sys.stderr)

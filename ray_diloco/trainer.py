@@ -45,7 +45,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
-from .elastic import Membership
+from .elastic import Membership, read_scale
 from .config import Config, check_overlap, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
 from .errors import CheckpointError, ClusterError, ConfigError, DataError
@@ -284,6 +284,13 @@ class Trainer:
         m = self.members
         if self.outer is None:
             return
+        wanted = read_scale(self.run_dir, self.cfg)
+        if wanted is not None:
+            leaving = m.set_target(wanted)
+            if leaving:
+                self._settle()
+                for r in leaving:
+                    m.lose(r, f"scaled down to {wanted} replica(s)", kind="leave")
         m.admit(m.poll(), step, self._settle)
         m.top_up()
         deadline = time.monotonic() + self.cfg.diloco.placement_timeout_s

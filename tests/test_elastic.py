@@ -410,7 +410,6 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
     next outer step is bitwise equal to the run that went on without stopping."""
     from ray_diloco.checkpoint import latest_checkpoint, load_checkpoint
 
-    ray = ray_session
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 run__steps=40, diloco__H=5, diloco__cpus_per_worker=0.5)
     t = _trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus)
@@ -440,3 +439,112 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
         t2.shutdown()
     for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss"):
         assert again[key] == ahead[key], key
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
+    """`ray-diloco train` as a user runs it (its own local Ray, W&B offline): one replica worker
+    process is SIGKILLed mid-run; the run finishes with exit 0, a replacement joined, the
+    death and the join are in the log, metrics.jsonl, summary.json and the W&B run."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+
+    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=400, diloco__H=10, run__eval_every=0,
+                         run__checkpoint_every=10, tracking__wandb=True, run__name="cli")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(path)], cwd=str(ROOT),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "runs" / "cli"
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run_dir / "metrics.jsonl").is_file() and len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        workers = []
+        for p in _descendants(proc.pid):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as fh:
+                    if b"ReplicaWorker" in fh.read():
+                        workers.append(p)
+            except OSError:
+                continue
+        assert len(workers) == 2, workers
+        os.kill(random.choice(workers), signal.SIGKILL)
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "membership: replica" in err and " death (reason=its worker process died" in err
+    assert "join (step=" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["membership"]["death"] == 1 and summary["membership"]["join"] >= 1
+    assert summary["replicas_live"] == 2 and summary["outer_steps"] == 40
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [e["event"] for r in rows for e in r.get("events", [])]
+    assert "death" in events and "join" in events
+    record = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+    assert b"membership/death" in record and b"membership_events" in record
+
+
+def test_scale_down_and_up_with_the_cli(ray_session, tmp_path, corpus):
+    """`ray-diloco scale RUN_DIR --replicas N` on a running M=3 run: down to 2, the newest replica
+    leaves cleanly at the next outer step (a leave event, not a death; its placement group is
+    removed); up to 3 again, a new replica joins. Out-of-range requests get one error line."""
+    from ray.util.placement_group import placement_group_table
+
+    from ray_diloco.cli import main
+
+    cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=40, run__eval_every=0,
+                                     diloco__replicas=3, inner__global_batch=6, diloco__min_replicas=2,
+                                     diloco__cpus_per_worker=0.5))
+    t = _trainer(cfg, corpus)
+    try:
+        (t.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        t._round(1)
+        leaving = t.replicas[2]
+        assert main(["scale", str(t.run_dir), "--replicas", "2"]) == 0
+        row = t._round(2)
+        assert [r.index for r in t.replicas] == [0, 1] and row["replicas_target"] == 2
+        assert [(e["event"], e["replica"]) for e in row["events"] if e["event"] != "scale"] == [("leave", 2)]
+        assert "death" not in row["membership"]
+        assert placement_group_table(leaving.placement_group)["state"] == "REMOVED"
+        assert sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1"]
+        assert main(["scale", str(t.run_dir), "--replicas", "3"]) == 0
+        deadline = time.monotonic() + 120
+        row = t._round(3)
+        while row["replicas_live"] < 3:
+            assert time.monotonic() < deadline, "no replica joined"
+            t.members.poll()
+            time.sleep(0.1)
+            row = t._round(row["outer_step"] + 1)
+        assert [r.index for r in t.replicas] == [0, 1, 3] and len(set(row["worker_global_sha256"])) == 1
+    finally:
+        t.shutdown()
+    assert main(["scale", str(t.run_dir), "--replicas", "1"]) == 2  # below the quorum
+    assert main(["scale", str(tmp_path), "--replicas", "2"]) == 2  # not a run directory
