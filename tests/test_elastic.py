@@ -472,7 +472,7 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     import yaml
     from conftest import ROOT
 
-    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=400, diloco__H=10, run__eval_every=0,
+    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=1000, diloco__H=25, run__eval_every=0,
                          run__checkpoint_every=10, tracking__wandb=True, run__name="cli")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
