@@ -247,7 +247,17 @@ class Trainer:
         results: dict[Any, Any] = {}
         pending = dict(calls)
         first_done = None
+        ping, ping_sent = None, time.monotonic()
         while pending:
+            if self.outer is not None:  # a frozen driver would stall every replica: check it answers
+                if ping is None:
+                    ping, ping_sent = self.outer.ping.remote(), time.monotonic()
+                elif ray.wait([ping], timeout=0)[0]:
+                    ping = None
+                elif time.monotonic() - ping_sent > self.cfg.diloco.sync_timeout_s:
+                    raise ClusterError(f"the outer-optimiser driver has not answered for "
+                                       f"{self.cfg.diloco.sync_timeout_s:g} s (diloco.sync_timeout_s); resume the run "
+                                       "with --resume RUN_DIR: it restarts from the last checkpoint")
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
             for ref in ready:
                 r = pending.pop(ref, None)

@@ -586,3 +586,23 @@ def test_a_replica_that_loses_one_rank_is_rebuilt_whole_under_streaming(ray_sess
         assert np.isfinite(t.evaluate())
     finally:
         t.shutdown()
+
+
+def test_a_frozen_driver_stops_the_run_within_the_sync_timeout(ray_session, tmp_path, corpus):
+    """SIGSTOP on the driver's process: every replica would wait on it forever; the trainer
+    notices within diloco.sync_timeout_s (+ a little) and stops with one error naming the driver."""
+    cfg = load_config(tiny_overrides(tmp_path, run__steps=30, run__eval_every=0, diloco__sync_timeout_s=3.0))
+    t = _trainer(cfg, corpus)
+    pid = None
+    try:
+        t._round(1)
+        pid = ray_session.get(t.outer.ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match="driver has not answered for 3 s"):
+            t._round(2)
+        assert time.monotonic() - t0 < 3.0 + 5.0
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        t.shutdown()
