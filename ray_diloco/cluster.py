@@ -82,8 +82,10 @@ def init_ray(cfg: Config) -> bool:
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
                  include_dashboard=False if address is None else None)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ClusterError(f"run.address = {address!r}: cannot connect to a Ray cluster ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
+        what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
+        raise ClusterError(f"run.address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from None
     if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     return True
