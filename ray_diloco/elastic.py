@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
     if not d.min_replicas <= replicas <= cfg.num_slots:
         raise ConfigError([f"--replicas = {replicas}: must be in [diloco.min_replicas = {d.min_replicas}, "
                            f"max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]"])
+    if (run_dir / "summary.json").is_file():
+        print(f"note: {run_dir} has finished (summary.json); the request applies if the run is extended with "
+              "--resume --set run.steps=...", file=sys.stderr)
     path = run_dir / SCALE_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"replicas": replicas}))

@@ -147,6 +147,7 @@ class Trainer:
         self.schedule: SyncSchedule | None = None
         self.num_fragments = 1
         self.members: Membership | None = None
+        self.log = lambda msg: print(msg, file=sys.stderr)  # run() routes it through the progress bar
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,7 +285,7 @@ class Trainer:
 
     def _lose(self, r: Replica, reason: str) -> None:
         """A replica failed: check the driver is alive, then remove the replica."""
-        print(f"replica {r.index} failed: {reason}", file=sys.stderr)
+        self.log(f"replica {r.index} failed: {reason}")
         self.members.lose(r, reason)
 
     def _membership(self, step: int) -> None:
@@ -327,7 +328,7 @@ class Trainer:
             if metrics:
                 break
             # every replica died during this outer step: run it again with the replacements
-            print(f"outer step {k}: every replica failed; running it again once replacements join", file=sys.stderr)
+            self.log(f"outer step {k}: every replica failed; running it again once replacements join")
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         n_tokens = int(sum(mtr["tokens"] for mtr in metrics if mtr["rank"] == 0 or cfg.algorithm == "dp"))
         if cfg.algorithm == "dp":
@@ -366,10 +367,10 @@ class Trainer:
             for ev in events:
                 st.membership[ev["event"]] = st.membership.get(ev["event"], 0) + 1
                 if ev["event"] not in ("launch", "round_failed"):
-                    print(f"membership: {_describe(ev)}", file=sys.stderr)
+                    self.log(f"membership: {_describe(ev)}")
             if failed:  # one line per outer step: with a small H these come every step
-                print(f"membership: {len(failed)} sync round(s) failed in outer step {k} (the last: "
-                      f"{_describe(failed[-1])})", file=sys.stderr)
+                self.log(f"membership: {len(failed)} sync round(s) failed in outer step {k} (the last: "
+                         f"{_describe(failed[-1])})")
             row["replicas_target"] = self.members.target
             row["membership"] = dict(st.membership)
             if events:
@@ -491,6 +492,7 @@ class Trainer:
         """The outer-step loop from the current state to ``run.steps``; evals and checkpoints
         when due. Returns wall, inner-compute and outer-wait seconds."""
         cfg = self.cfg
+        self.log = tracker.write
         last = cfg.num_outer_steps
         t_start = time.perf_counter()
         compute_total = wait_total = 0.0
