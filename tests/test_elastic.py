@@ -146,7 +146,10 @@ def _kill(worker) -> None:
 def _object_store_bytes() -> int:
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    return int(get_memory_info_reply(get_state_from_address()).store_stats.object_store_bytes_used)
+    import ray
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)  # this session's cluster
+    return int(get_memory_info_reply(state).store_stats.object_store_bytes_used)
 
 
 def _blocker(ray, cpus: float):
