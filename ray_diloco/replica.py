@@ -29,7 +29,7 @@ import torch
 
 from .config import Config, load_config
 from .data import ShardReader, val_batch
-from .exchange import OK, Link, SyncResult, link_delay_s
+from .exchange import FAILED, OK, REJECTED, Link, SyncResult, link_delay_s
 from .fragments import Fragment, ParamSpec, flatten, param_specs, plan_fragments, unflatten_into
 from .model import ModelFn, build_transformers_model, lm_loss, logits_of, resolve_model_shape
 from .schedules import SyncSchedule, inner_lr
@@ -298,10 +298,10 @@ class ReplicaWorker:
         frag, alpha = self.fragments[e.fragment], self.cfg.streaming.alpha
         local = flatten(self.params, frag)
         self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
-        if res.status == "failed":
+        if res.status == FAILED:
             self.last_send[e.fragment] = e.prev_send
             merged = local
-        elif res.status == "rejected":
+        elif res.status == REJECTED:
             self.reset_to_global()
             merged = new
         else:
@@ -328,6 +328,14 @@ class ReplicaWorker:
         for e in self.pending:
             e.outcome()
         return len(self.pending)
+
+    @staticmethod
+    def _pending_row(e: PendingSync) -> list[Any]:
+        """A sync in flight as checkpointed: fragment, send and merge steps, bytes up and down,
+        status, the version its new global value is, and the fragment's previous send step."""
+        res = e.outcome()
+        return [e.fragment, e.send_step, e.apply_step, res.bytes_up, res.bytes_down, res.status, res.version,
+                e.prev_send]
 
     def reset_to_global(self) -> None:
         """Local parameters of every fragment <- the global ones this worker holds; the inner
@@ -483,9 +491,7 @@ class ReplicaWorker:
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
                  "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
-                 "pending": [[e.fragment, e.send_step, e.apply_step, e.outcome().bytes_up, e.outcome().bytes_down,
-                              e.outcome().status, e.outcome().version, e.prev_send] for e in self.pending],
-                 "global_version": list(self.global_version),
+                 "pending": [self._pending_row(e) for e in self.pending],
                  "comm": dataclasses.asdict(self.comm)}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())

@@ -330,11 +330,11 @@ class Trainer:
             # every replica died during this outer step: run it again with the replacements
             self.log(f"outer step {k}: every replica failed; running it again once replacements join")
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
-        n_tokens = int(sum(mtr["tokens"] for mtr in metrics if mtr["rank"] == 0 or cfg.algorithm == "dp"))
-        if cfg.algorithm == "dp":
-            n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len
         # bytes on the slow link: each replica's rank 0 (DiLoCo), every rank (DP's all-reduce)
         rank0 = metrics if cfg.algorithm == "dp" else [mtr for mtr in metrics if mtr["rank"] == 0]
+        # tokens trained: DP's one group reads the global batch; each live replica counts its own
+        n_tokens = (end - start) * cfg.inner.global_batch * cfg.data.seq_len if cfg.algorithm == "dp" else \
+            int(sum(mtr["tokens"] for mtr in rank0))
         sent = sum(mtr["link"]["bytes_up"] for mtr in rank0)
         received = sum(mtr["link"]["bytes_down"] for mtr in rank0)
         st = self.state
@@ -378,8 +378,8 @@ class Trainer:
         by_replica: dict[int, dict[str, Any]] = {}
         for mtr in metrics:
             by_replica.setdefault(mtr["replica"], mtr)
-        losses = [by_replica[m]["train_loss"] for m in sorted(by_replica)]
         loss_ids = sorted(by_replica)
+        losses = [by_replica[m]["train_loss"] for m in loss_ids]
         compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
         st.inner_compute_s += compute_s
         st.train_wall_s += wall
@@ -420,16 +420,18 @@ class Trainer:
             self._gather({w.settle.remote(): r for r in list(self.replicas) for w in r.workers})
 
     def _on_live(self, method: str, args_of: Any) -> dict[tuple[int, int], Any]:
-        """Call ``method(*args_of(replica, rank, i))`` on every live worker (``i``: position in
-        the flat worker list, ``args_of`` returns None to skip a worker); a replica lost meanwhile
-        makes the whole call start again with the survivors. Returns ``{(id, rank): result}``."""
+        """Call ``method(*args_of(replica, rank, i, n))`` on every live worker (``i``: position in
+        the flat worker list of ``n``, ``args_of`` returns None to skip a worker); a replica lost
+        meanwhile makes the whole call start again with the survivors. Returns
+        ``{(id, rank): result}``."""
         while True:
             live = list(self.replicas)
+            n = len(all_workers(live))
             calls, keys = {}, {}
             i = 0
             for r in live:
                 for rank, w in enumerate(r.workers):
-                    args = args_of(r, rank, i, len(all_workers(live)))
+                    args = args_of(r, rank, i, n)
                     i += 1
                     if args is None:
                         continue
@@ -446,10 +448,10 @@ class Trainer:
 
         self._settle()
         globals_ = ray.get(self.outer.global_refs.remote()) if self.outer is not None else None
-        n = val_windows(self.corpus.val, self.cfg.data.seq_len)
+        windows = np.arange(val_windows(self.corpus.val, self.cfg.data.seq_len))
 
         def chunk(r, rank, i, n_workers):
-            c = np.array_split(np.arange(n), n_workers)[i]
+            c = np.array_split(windows, n_workers)[i]
             return (c, globals_) if len(c) else None
 
         parts = list(self._on_live("evaluate", chunk).values())
