@@ -1,4 +1,4 @@
-"""The ``ray-diloco`` command: train, eval, generate, config, plan.
+"""The ``ray-diloco`` command: train, tune, eval, generate, config, plan, scale.
 
 Errors in input, data, checkpoints or cluster size print one line each (``error: ...``) and
 exit with status 2, without a traceback.
@@ -53,6 +53,23 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--from-step", type=int, default=0, help="list the syncs after this inner step (default 0)")
     pl.add_argument("--next", type=int, default=3, dest="upcoming", help="sync steps listed per fragment (default 3)")
     pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
+
+    tu = sub.add_parser("tune", help="a Ray Tune sweep: every trial is a full run with its own replicas")
+    tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in README)")
+    tu.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="fixed config override for every trial, repeatable")
+    tu.add_argument("--resume", metavar="SWEEP_DIR", default=None,
+                    help="continue an interrupted sweep (Tuner.restore); its trials resume from their checkpoints")
+    tu.add_argument("--name", default=None, help="sweep name (its directory); default: SPACE-TIMESTAMP")
+    tu.add_argument("--storage-path", default=None,
+                    help="where sweep directories go: a local path or s3://, gs://, file:// (default: run.output_dir/sweeps)")
+    tu.add_argument("--scheduler", choices=("fifo", "asha"), default=None,
+                    help="early stopping (default: the space's, else fifo)")
+    tu.add_argument("--search", choices=("basic", "optuna"), default=None,
+                    help="grid/random (basic) or Optuna (needs optuna installed)")
+    tu.add_argument("--num-samples", type=int, default=None, help="samples per grid point (Optuna: trials)")
+    tu.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: what the cluster holds)")
+    tu.add_argument("--address", default=None, help="Ray cluster address ('auto' joins a running cluster)")
 
     sc = sub.add_parser("scale", help="change the number of replicas of a running DiLoCo run")
     sc.add_argument("run_dir", metavar="RUN_DIR")
@@ -115,6 +132,22 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(a: argparse.Namespace) -> int:
+    from .sweep import tune
+
+    if a.resume is not None and a.overrides:
+        raise RayDilocoError(f"--set {a.overrides[0]}: cannot be combined with --resume (the sweep's saved space is used)")
+    for flag, v in (("--num-samples", a.num_samples), ("--max-concurrent", a.max_concurrent)):
+        if v is not None and v < 1:
+            raise RayDilocoError(f"{flag} = {v}: must be >= 1")
+    out = tune(a.space, a.overrides, resume=a.resume, name=a.name, storage_path=a.storage_path, scheduler=a.scheduler,
+               search=a.search, num_samples=a.num_samples, max_concurrent=a.max_concurrent, address=a.address)
+    if out["interrupted"]:
+        print(f"sweep interrupted: continue it with ray-diloco tune --resume {out['sweep_dir']}", file=sys.stderr)
+        return 130
+    return 0 if out["best"] is not None else 1  # 1: no trial produced a finite loss
+
+
 def _cmd_scale(a: argparse.Namespace) -> int:
     from .elastic import request_scale
 
@@ -135,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
-                "plan": _cmd_plan, "scale": _cmd_scale}
+                "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune}
     try:
         return handlers[a.command](a)
     except RayDilocoError as e:

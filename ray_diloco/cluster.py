@@ -34,6 +34,8 @@ class Replica:
     placement_group: Any
     slot: int = 0
     join_step: int = 0
+    bundle_offset: int = 0  # index of rank 0's bundle in ``placement_group``
+    owns_placement_group: bool = True  # False: the bundles belong to a Tune trial's group
 
     @property
     def rank0(self) -> Any:
@@ -41,6 +43,12 @@ class Replica:
         return self.workers[0]
 
 
+
+#: Set inside a Ray Tune trial (:mod:`ray_diloco.sweep`): the trial's placement group, whose
+#: bundle 0 hosts the trial itself and bundles ``1 + slot * W + rank`` the replicas' workers.
+#: Replicas are then placed in those reserved bundles instead of groups of their own, so
+#: concurrent trials never wait on each other's resources.
+HOST_PLACEMENT_GROUP: Any = None
 
 #: Set by the CLI: after ``ray.init`` (whose core worker installs its own fatal-signal handler),
 #: SIGTERM (``ray job stop``, ``kill``) is turned into KeyboardInterrupt again, so a run
@@ -106,6 +114,8 @@ def check_resources(cfg: Config) -> float:
     import ray
 
     d = cfg.diloco
+    if HOST_PLACEMENT_GROUP is not None:  # a Tune trial: its bundles were sized from this config
+        return d.cpus_per_worker
     res = ray.cluster_resources()
     n = d.replicas * d.workers_per_replica
     have_cpu = res.get("CPU", 0)
@@ -145,6 +155,11 @@ def _bundle(cfg: Config) -> dict[str, float]:
 def _place(cfg: Config, index: int, slot: int, world: int, strategy: str, join_step: int = 0) -> Replica:
     from ray.util.placement_group import placement_group
 
+    if HOST_PLACEMENT_GROUP is not None:
+        if slot < 0:
+            raise ClusterError("diloco.spare_replicas: spares have no reserved bundles inside a Tune trial")
+        return Replica(index, [], HOST_PLACEMENT_GROUP, slot, join_step, bundle_offset=1 + slot * world,
+                       owns_placement_group=False)
     pg = placement_group([_bundle(cfg) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{index}")
     return Replica(index, [], pg, slot, join_step)
 
@@ -183,7 +198,8 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
     for rank in range(world):
         r.workers.append(Worker.options(
             num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group, placement_group_bundle_index=rank),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group,
+                                                                 placement_group_bundle_index=r.bundle_offset + rank),
         ).remote(cfg.to_dict(), r.index, rank, world, max(r.slot, 0) * world + rank, cfg.num_shards, vocab_size,
                  model_fn))  # slot -1: not known until the replica joins (it then moves to its shard)
 
@@ -290,6 +306,8 @@ def stop_replicas(replicas: list[Replica]) -> None:
                 ray.kill(w)
             except Exception:
                 pass
+        if not r.owns_placement_group:
+            continue
         try:
             remove_placement_group(r.placement_group)
         except Exception:

@@ -141,6 +141,9 @@ class RunConfig:
     """Length, cadence and outputs of a run."""
 
     steps: int = 2000  # inner steps (per replica)
+    # the scaling-law protocol's token budget D = tokens_per_parameter x N (20 in the paper): when set,
+    # run.steps = ceil(D / (inner.global_batch x data.seq_len)), with N counted from the model
+    tokens_per_parameter: float | None = None
     eval_every: int = 10  # outer steps between evaluations of the global parameters (0: end only)
     eval_batch: int = 64  # sequences per evaluation forward pass
     checkpoint_every: int = 10  # outer steps between checkpoints (0: only at the end)
@@ -153,6 +156,9 @@ class RunConfig:
     log_hashes: bool = False  # log sha256 of global parameters/outer state/data read per outer step
     trace_syncs: bool = False  # workers keep every sync's fp32 tensors for inspection (tests, debugging)
     address: str | None = None  # Ray address; None: start (or join, under `ray job submit`) a cluster
+    # where run directories persist: a local path (used instead of output_dir), or a URI (s3://, gs://,
+    # file://, any pyarrow/fsspec filesystem) the run, staged in output_dir, is mirrored to after each checkpoint
+    storage_path: str | None = None
 
 
 @dataclass
@@ -166,6 +172,8 @@ class TrackingConfig:
     name: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    log_model: bool = False  # upload the exported model (final/) as a W&B artifact of type "model"
+    init_timeout_s: float = 60.0  # wait this long for the W&B server, then log offline
     progress: bool = True
 
 
@@ -439,7 +447,8 @@ def validate_config(cfg: Config) -> None:
     need(d.sync_timeout_s > 0 and math.isfinite(d.sync_timeout_s), "diloco.sync_timeout_s", d.sync_timeout_s,
          "must be a finite number of seconds > 0")
     need(d.max_failures >= 0, "diloco.max_failures", d.max_failures, "must be an integer >= 0")
-    need(d.spare_replicas >= 0, "diloco.spare_replicas", d.spare_replicas, "must be an integer >= 0")
+    need(0 <= d.spare_replicas <= cfg.num_slots, "diloco.spare_replicas", d.spare_replicas,
+         f"must be an integer in [0, max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]")
     if cfg.algorithm == "dp" and d.spare_replicas:
         e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
     need(d.join_inner_state in ("peer", "fresh"), "diloco.join_inner_state", d.join_inner_state,
@@ -529,6 +538,8 @@ def validate_config(cfg: Config) -> None:
 
     r = cfg.run
     need(r.steps >= 1, "run.steps", r.steps, "must be an integer >= 1")
+    need(r.tokens_per_parameter is None or (r.tokens_per_parameter > 0 and math.isfinite(r.tokens_per_parameter)),
+         "run.tokens_per_parameter", r.tokens_per_parameter, "must be a finite number > 0 (or none: use run.steps)")
     need(0 <= r.seed < 2**32, "run.seed", r.seed, "must be an integer in [0, 2**32)")
     need(r.eval_every >= 0, "run.eval_every", r.eval_every, "must be >= 0 outer steps (0: only at the end)")
     need(r.eval_batch >= 1, "run.eval_batch", r.eval_batch, "must be an integer >= 1")
@@ -539,5 +550,7 @@ def validate_config(cfg: Config) -> None:
     need(r.precision in PRECISIONS, "run.precision", r.precision, f"must be one of {', '.join(PRECISIONS)}")
     t = cfg.tracking
     need(t.mode in TRACKING_MODES, "tracking.mode", t.mode, f"must be one of {', '.join(TRACKING_MODES)}")
+    need(t.init_timeout_s > 0 and math.isfinite(t.init_timeout_s), "tracking.init_timeout_s", t.init_timeout_s,
+         "must be a finite number of seconds > 0")
     if e:
         raise ConfigError(e)

@@ -188,7 +188,7 @@ class Membership:
             try:
                 ray.get([w.attach.remote(self.driver, self.schedule) for w in r.workers])
                 W = len(r.workers)
-                zero = ray.get([w.join.remote(refs, versions, step, positions[rank], peer, r.slot * W + rank)
+                zero = ray.get([w.join.remote(refs, versions, step, positions[rank], peer and [peer], r.slot * W + rank)
                                 for rank, w in enumerate(r.workers)])
             except ray.exceptions.RayError as e:
                 stop_replicas([r])
@@ -198,7 +198,7 @@ class Membership:
             self.live.sort(key=lambda x: x.index)
             ray.get(self.driver.add_member.remote(r.index, step, slot=r.slot,
                                                   admit_s=round(time.monotonic() - lc.requested, 3),
-                                                  pseudo_gradient_sha256=zero[0]))
+                                                  pseudo_gradient_sha256=zero[0][0], inner_state=zero[0][1]))
 
     def lose(self, r: Replica, reason: str, kind: str = "death") -> None:
         """Remove a replica that died (``kind="death"``) or is asked to leave (``"leave"``): the

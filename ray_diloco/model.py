@@ -11,6 +11,8 @@ A Python user may pass any ``model_fn(shape: dict, vocab_size: int) -> torch.nn.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import Any
 
@@ -114,3 +116,14 @@ def lm_loss(
     if z_loss > 0:
         return ce + z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean(), ce
     return ce, ce
+
+
+def budget_steps(cfg: Any, vocab_size: int, model_fn: ModelFn | None = None) -> int:
+    """Inner steps of the token budget ``run.tokens_per_parameter x N`` (Scaling Laws for DiLoCo,
+    section 3: D = 20N): ``ceil(D / (inner.global_batch x data.seq_len))``. N (parameters) is
+    counted on the meta device, so nothing is allocated, even for a 10B model."""
+    shape = resolve_model_shape(cfg.model, vocab_size)
+    with torch.device("meta"):
+        model = model_fn(shape, vocab_size) if model_fn is not None else build_transformers_model(shape)
+    n = count_parameters(model)
+    return max(1, math.ceil(cfg.run.tokens_per_parameter * n / (cfg.inner.global_batch * cfg.data.seq_len)))

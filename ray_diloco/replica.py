@@ -350,17 +350,25 @@ class ReplicaWorker:
         return copy.deepcopy(self.optimizer.state_dict())
 
     def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
-             optimizer_state: dict[str, Any] | None = None, shard: int | None = None) -> str:
+             peer_state: list[Any] | None = None, shard: int | None = None) -> tuple[str, str]:
         """Start as a joiner at inner step ``step``: local and global parameters <- the driver's
         global fragments (object refs of fp32 ``[numel_p]``) at ``versions``; the inner optimiser
-        from ``optimizer_state`` (a live peer's, ``diloco.join_inner_state: peer``) or fresh; no
-        sync in flight; data shard ``shard`` (default: the one it was started with) at the slot's
-        position (None: the shard's start).
-        Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero)."""
+        from ``peer_state`` (a list holding the object ref of a live peer's
+        ``inner_optimizer_state``, ``diloco.join_inner_state: peer``) or fresh, also when that
+        peer died before handing it over; no sync in flight; data shard ``shard`` (default: the
+        one it was started with) at the slot's position (None: the shard's start).
+        Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero) and
+        where the inner optimiser state came from (``peer`` or ``fresh``)."""
         for f, g in enumerate(ray.get(list(global_refs))):
             self.load_global(f, g, versions[f])
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+        state = None
+        if peer_state:
+            try:
+                state = ray.get(peer_state[0], timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):  # the peer died meanwhile: not this replica's fault
+                state = None
+        if state is not None:
+            self.optimizer.load_state_dict(state)
         else:
             self.optimizer.state.clear()
         self.pending, self.last_send = [], [step] * len(self.fragments)
@@ -371,7 +379,8 @@ class ReplicaWorker:
                                       self.cfg.run.seed)
         if reader_state is not None:
             self.reader.load_state(reader_state)
-        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)])
+        return (tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)]),
+                "peer" if state is not None else "fresh")
 
     def sync_trace(self) -> list[dict[str, Any]]:
         """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""

@@ -1,7 +1,8 @@
 """Progress bar (tqdm), ``metrics.jsonl``, Weights & Biases and ``summary.json``.
 
 W&B is offline unless an API key is configured (``WANDB_API_KEY`` or ``wandb login``) or
-``tracking.mode=online``; a W&B failure is reported once and never stops training.
+``tracking.mode=online``; a W&B failure is reported once and never stops training: when the
+server cannot be reached within ``tracking.init_timeout_s`` the run logs offline instead.
 """
 
 from __future__ import annotations
@@ -69,19 +70,32 @@ class Tracker:
         if not t.wandb or mode == "disabled":
             return
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                import wandb
-
-                self.wandb_run = wandb.init(
-                    project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
-                    tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
-                    id=self._wandb_id(), resume="allow", settings=wandb.Settings(silent=True, console="off"),
-                )
-        except Exception as e:  # unreachable server, not logged in, broken install: keep training
-            print(f"warning: W&B disabled for this run ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                  file=sys.stderr)
+            self.wandb_run = self._init_wandb(mode)
+        except Exception as e:  # unreachable server, not logged in: log offline, `wandb sync` uploads later
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.wandb_run = None
+            if mode == "online":
+                try:
+                    self.wandb_run = self._init_wandb("offline")
+                    print(f"warning: W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
+                          "(upload later with `wandb sync`)", file=sys.stderr)
+                    return
+                except Exception as e2:
+                    why = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
+            print(f"warning: W&B disabled for this run ({why})", file=sys.stderr)
+
+    def _init_wandb(self, mode: str) -> Any:
+        t = self.cfg.tracking
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import wandb
+
+            return wandb.init(
+                project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
+                tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
+                id=self._wandb_id(), resume="allow",
+                settings=wandb.Settings(silent=True, console="off", init_timeout=t.init_timeout_s),
+            )
 
     def _wandb_id(self) -> str:
         """A stable W&B run id stored in the run dir, so a resumed run continues the same W&B run."""
@@ -142,6 +156,14 @@ class Tracker:
                 for k, v in summary.items():
                     if isinstance(v, (int, float, str)):
                         self.wandb_run.summary[k] = v
+                if self.cfg.tracking.log_model and summary.get("export_dir"):
+                    import wandb
+
+                    art = wandb.Artifact(f"model-{self.run_dir.name}", type="model",
+                                         metadata={k: summary.get(k) for k in ("final_eval_loss", "num_parameters",
+                                                                               "tokens", "algorithm")})
+                    art.add_dir(summary["export_dir"])
+                    self.wandb_run.log_artifact(art)
                 self.wandb_run.finish()
             except Exception as e:
                 print(f"warning: W&B finish failed ({type(e).__name__})", file=sys.stderr)

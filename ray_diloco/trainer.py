@@ -39,6 +39,7 @@ import numpy as np
 from .checkpoint import (
     global_params,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     lock_run_dir,
     remove_partial_checkpoints,
@@ -54,6 +55,7 @@ from .export import check_sizes, export_model
 from .model import ModelFn
 from .replica import fragment_plan
 from .schedules import SyncSchedule, is_due, outer_step_bounds
+from .storage import Mirror, download_run, filesystem, is_uri, remote_run_dir
 from .tracking import Tracker, write_summary
 
 
@@ -88,7 +90,8 @@ def _run_dir_for(cfg: Config) -> Path:
     """
     if cfg.run.name is None:  # fixed once, so checking and creating name the same directory
         cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}-{secrets.token_hex(2)}"
-    out = Path(cfg.run.output_dir).expanduser()
+    remote = is_uri(cfg.run.storage_path)
+    out = Path(cfg.run.storage_path if cfg.run.storage_path and not remote else cfg.run.output_dir).expanduser()
     blocker = next((p for p in [out, *out.parents] if p.exists()), None)
     if blocker is not None and (not blocker.is_dir() or not os.access(blocker, os.W_OK | os.X_OK)):
         raise ConfigError([f"run.output_dir = {cfg.run.output_dir!r}: {blocker} is not a writable directory"])
@@ -98,6 +101,17 @@ def _run_dir_for(cfg: Config) -> Path:
     if run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
                            f"(resume it with --resume {run_dir}, or choose another run.name)"])
+    if remote:
+        uri = remote_run_dir(cfg.run.storage_path, cfg.run.name)
+        fs, path = filesystem(uri)
+        try:
+            exists = fs.get_file_info(f"{path}/config.yaml").type.name == "File"
+        except Exception as e:
+            raise ConfigError([f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]) from None
+        if exists:
+            raise ConfigError([f"run.name = {cfg.run.name!r}: {uri} already holds a run (resume it with --resume "
+                               f"{uri}, or choose another run.name)"])
     return run_dir
 
 
@@ -147,6 +161,9 @@ class Trainer:
         self.schedule: SyncSchedule | None = None
         self.num_fragments = 1
         self.members: Membership | None = None
+        self._slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
+        self.mirror: Mirror | None = None  # run.storage_path is a URI: copy of the run directory there
+        self.on_outer_step: Any = None  # called with each outer step's metrics row (Ray Tune reports)
         self.log = lambda msg: print(msg, file=sys.stderr)  # run() routes it through the progress bar
 
     # -- set-up ----------------------------------------------------------------------------
@@ -240,7 +257,9 @@ class Trainer:
         DiLoCo: a replica whose call fails (actor or node death, a process-group error inside
         it) is removed at once (:meth:`Membership.lose`), so the driver stops waiting for it; its
         other calls are dropped. With ``straggler_s``, replicas still running that many seconds
-        after the first one finished are removed as unresponsive. DP: the first failure raises.
+        after the first one finished are removed as unresponsive; so are all of them when none
+        finished within twice the slowest outer step so far plus ``straggler_s`` (every replica
+        frozen). DP: the first failure raises.
         """
         import ray
 
@@ -248,7 +267,8 @@ class Trainer:
         results: dict[Any, Any] = {}
         pending = dict(calls)
         first_done = None
-        ping, ping_sent = None, time.monotonic()
+        t0 = time.monotonic()
+        ping, ping_sent = None, t0
         while pending:
             if self.outer is not None:  # a frozen driver would stall every replica: check it answers
                 if ping is None:
@@ -278,6 +298,13 @@ class Trainer:
                 for r in {id(rr): rr for rr in pending.values()}.values():
                     self._lose(r, f"unresponsive: still training {straggler_s:g} s after the other replicas "
                                   "finished the outer step (diloco.sync_timeout_s)")
+                pending = {}
+            elif (straggler_s is not None and first_done is None and self._slowest_round is not None
+                  and time.monotonic() - t0 > 2 * self._slowest_round + straggler_s):
+                limit = 2 * self._slowest_round + straggler_s
+                for r in {id(rr): rr for rr in pending.values()}.values():
+                    self._lose(r, f"unresponsive: no replica finished the outer step within {limit:.0f} s (twice "
+                                  "the slowest one so far + diloco.sync_timeout_s)")
                 pending = {}
             if self.members is not None and self.outer is not None:
                 self.members.poll()
@@ -326,6 +353,7 @@ class Trainer:
             metrics = self._gather(calls, straggler_s=cfg.diloco.sync_timeout_s if self.outer is not None else None)
             wall = time.perf_counter() - t0
             if metrics:
+                self._slowest_round = max(self._slowest_round or 0.0, wall)
                 break
             # every replica died during this outer step: run it again with the replacements
             self.log(f"outer step {k}: every replica failed; running it again once replacements join")
@@ -477,7 +505,10 @@ class Trainer:
             "workers": workers_state,
             "membership": self.members.state_dict() if self.members is not None else None,
         }
-        return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
+        path = save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
+        if self.mirror is not None:
+            self.mirror.sync()
+        return path
 
     def global_params(self) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
@@ -509,6 +540,8 @@ class Trainer:
             if is_due(k, cfg.run.checkpoint_every, last):
                 self.checkpoint()
             tracker.log(row)
+            if self.on_outer_step is not None:
+                self.on_outer_step(row)
             tracker.progress(row["inner_step"] - outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)[0],
                              outer=f"{k}/{last}", loss=f"{row['train_loss']:.3f}",
                              eval=None if self.state.last_eval is None else f"{self.state.last_eval:.3f}",
@@ -543,7 +576,8 @@ class Trainer:
 
 
 #: Fields a resumed run cannot change: they shape the parameters, the shards or the data stream.
-FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.workers_per_replica", "diloco.H", "model", "data",
+FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.max_replicas", "diloco.workers_per_replica", "diloco.H",
+                   "model", "data",
                    "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
                    "streaming.pattern", "streaming.overlap_steps")
 
@@ -600,13 +634,20 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         if config is not None:
             raise ConfigError([f"--config {config}: cannot be combined with --resume (the run's config.yaml is "
                                "used; change fields such as run.steps with --set)"])
+        if is_uri(str(resume)):  # a mirrored run (run.storage_path): fetch it into run.output_dir
+            resume = download_run(str(resume), load_config(None, overrides, validate=False).run.output_dir)
         run_dir = Path(resume).expanduser()
         if not (run_dir / "config.yaml").is_file():
             raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        _, ckpt_path = latest_checkpoint(run_dir)
-        state = load_checkpoint(ckpt_path)
-        _check_resumable(cfg, load_config(state["config"], validate=False))
+        if list_checkpoints(run_dir):
+            _, ckpt_path = latest_checkpoint(run_dir)
+            state = load_checkpoint(ckpt_path)
+            _check_resumable(cfg, load_config(state["config"], validate=False))
+        else:  # it stopped before its first checkpoint (a failed start-up): run it again from step 0
+            print(f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
+                  file=sys.stderr)
+            state = None
     else:
         cfg = load_config(config, overrides)
         run_dir, state = _run_dir_for(cfg), None
@@ -616,7 +657,8 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
 
 
 def train(config: Any = None, overrides: list[str] | None = None, *, resume: str | Path | None = None,
-          address: str | None = None, model_fn: ModelFn | None = None, corpus: Corpus | None = None) -> dict[str, Any]:
+          address: str | None = None, model_fn: ModelFn | None = None, corpus: Corpus | None = None,
+          on_outer_step: Any = None) -> dict[str, Any]:
     """Run DiLoCo (or the DP baseline) and return the summary (also written to ``summary.json``).
 
     Args:
@@ -626,6 +668,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         address: Ray address ("auto" to join a running cluster); default: start a local one.
         model_fn: ``(shape: dict, vocab_size: int) -> nn.Module`` to train instead of the presets.
         corpus: a pre-tokenised :class:`~ray_diloco.data.Corpus` instead of ``config.data``.
+        on_outer_step: called with each outer step's metrics row (a dict, as in ``metrics.jsonl``)
+            after its evaluation and checkpoint; Ray Tune trials report through it.
 
     Raises:
         ConfigError, DataError, CheckpointError, ClusterError: with a one-line message.
@@ -640,6 +684,12 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError([f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
                            f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"])
+    if cfg.run.tokens_per_parameter is not None and rs is None:
+        from .model import budget_steps
+
+        cfg.run.steps = budget_steps(cfg, corpus.vocab_size, model_fn)
+        print(f"run.steps = {cfg.run.steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "
+              f"parameters / (inner.global_batch x data.seq_len)", file=sys.stderr)
     per_shard = num_train_windows(len(corpus.train), cfg.data.seq_len) // cfg.num_shards
     if per_shard < cfg.batch_per_worker:
         raise DataError(f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
@@ -649,19 +699,22 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
     started_ray = init_ray(cfg)
     trainer = Trainer(cfg, run_dir, corpus, model_fn, rs)
+    trainer.on_outer_step = on_outer_step
     tracker = lock = None
     try:
         check_resources(cfg)  # before the run directory is written
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)  # held until this process ends
-        if rs is None and any(p.name != ".lock" for p in run_dir.iterdir()):
+        if resume is None and any(p.name != ".lock" for p in run_dir.iterdir()):
             raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
         remove_partial_checkpoints(run_dir)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
-        if rs is not None:
-            _truncate_metrics(run_dir, rs["outer_step"])
+        if resume is not None:
+            _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
+        if is_uri(cfg.run.storage_path):
+            trainer.mirror = Mirror(run_dir, cfg.run.storage_path)
         trainer.start()
         if rs is not None:
             print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
@@ -700,12 +753,15 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             "membership": dict(st.membership),
             "replicas_live": len(trainer.replicas),
             "run_dir": str(run_dir),
+            "storage_uri": trainer.mirror.uri if trainer.mirror is not None else None,
             "export_dir": str(export_dir),
             "config": cfg.to_dict(),
         }
         write_summary(run_dir, summary)
         tracker.finish(summary)
         tracker = None
+        if trainer.mirror is not None:
+            trainer.mirror.sync(final=True)
     except ray.exceptions.RayError as e:
         raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
     finally:

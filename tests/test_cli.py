@@ -12,6 +12,7 @@ import time
 import pytest
 import yaml
 from conftest import ROOT, run_cli, tiny_overrides
+from wandb_records import run_contents
 
 
 def _one_error_line(proc, *needles):
@@ -129,10 +130,11 @@ def test_train_eval_generate_from_the_command_line(tmp_path, small_text):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert f"{summary['final_eval_loss']:.4f}" in proc.stdout
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["diloco"]["H"] == 5
-    offline = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert offline, "no offline W&B run"
-    record = offline[0].read_bytes()  # W&B's protobuf log: the metric keys appear as strings
-    assert b"eval_loss" in record and b"train_loss_replica/replica_1" in record
+    wb = run_contents(run_dir)  # the offline W&B run, read back from its protobuf log
+    assert wb["config"]["diloco"]["H"] == 5 and wb["config"]["run"]["name"] == "cli" and wb["name"] == "cli"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["eval_loss"] for h in wb["history"] if "eval_loss" in h] == [r["eval_loss"] for r in rows]
+    assert all("train_loss_replica/replica_1" in h for h in wb["history"] if "train_loss" in h)
     ev = run_cli(["eval", str(run_dir)], timeout=300)
     assert ev.returncode == 0, ev.stderr
     assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout

@@ -61,6 +61,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("inner.lr=inf", "inner.lr"),
     ("run.name=../escape", "run.name"),
     ("data.path=/tmp", "data.path"),
+    ("diloco.spare_replicas=1000000000", "diloco.spare_replicas"),
+    ("diloco.min_replicas=3", "diloco.min_replicas"),
 ])
 def test_invalid_field_gives_one_line_naming_it(override, field):
     with pytest.raises(ConfigError) as e:
@@ -96,3 +98,15 @@ def test_head_dim_must_be_even_for_rope():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.d_model=60", "model.n_heads=4"])
     assert "d_model / n_heads = 15" in e.value.lines()[0]
+
+
+def test_resume_cannot_change_the_data_slots():
+    """max_replicas sets the number of data slots (shards); a resume that changes it is refused
+    before config.yaml is rewritten."""
+    from ray_diloco.trainer import _check_resumable
+
+    saved = load_config(None, ["diloco.max_replicas=2"])
+    with pytest.raises(ConfigError) as e:
+        _check_resumable(load_config(None, ["diloco.max_replicas=3"]), saved)
+    assert e.value.problems == ["diloco.max_replicas = 3: the checkpoint was trained with 2; it cannot change on resume"]
+    _check_resumable(load_config(None, ["diloco.max_replicas=2", "diloco.sync_timeout_s=5"]), saved)

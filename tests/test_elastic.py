@@ -219,6 +219,7 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
         zeros = tensor_hash([torch.zeros(n) for n in
                              [len(ray.get(t.replicas[0].rank0.local_fragment.remote(p))) for p in range(t.num_fragments)]])
         assert join["replica"] == 2 and join["step"] == 10 and join["pseudo_gradient_sha256"] == zeros
+        assert join["inner_state"] == "peer"  # a live replica's AdamW state
         hashes = {ray.get(r.rank0.global_hash.remote()) for r in t.replicas}
         assert hashes == {before["global"]}
         windows = [set(ray.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas]
@@ -608,4 +609,33 @@ def test_a_frozen_driver_stops_the_run_within_the_sync_timeout(ray_session, tmp_
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
+        t.shutdown()
+
+
+def test_every_replica_frozen_is_replaced_and_the_outer_step_runs_again(ray_session, tmp_path, corpus):
+    """SIGSTOP on every replica: none finishes, so the straggler rule (which needs one to finish)
+    cannot fire. The round watchdog removes them all after twice the slowest outer step +
+    diloco.sync_timeout_s, replacements join, and the outer step runs again."""
+    cfg = load_config(tiny_overrides(tmp_path, run__steps=20, diloco__H=10, run__eval_every=0,
+                                     diloco__sync_timeout_s=3.0, diloco__cpus_per_worker=0.5))
+    t = _trainer(cfg, corpus)
+    pids = []
+    try:
+        t._round(1)
+        old = {r.index for r in t.replicas}
+        pids = [ray_session.get(r.rank0.pid.remote()) for r in t.replicas]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        row = t._round(2)
+        assert row["inner_step"] == 20 and np.isfinite(row["train_loss"])
+        assert {r.index for r in t.replicas}.isdisjoint(old) and len(t.replicas) == 2
+        deaths = [e for e in row["events"] if e["event"] == "death"]
+        assert sorted(e["replica"] for e in deaths) == sorted(old)
+        assert all("no replica finished the outer step" in e["reason"] for e in deaths)
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         t.shutdown()

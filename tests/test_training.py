@@ -233,3 +233,19 @@ def test_resume_refuses_structural_changes(tmp_path):
 
     with pytest.raises(ConfigError, match="--resume"):
         prepare("dp", resume=tmp_path)
+
+
+def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(ray_session, tmp_path, corpus):
+    """A start-up failure leaves config.yaml (and a metrics row or two) but no checkpoint: --resume
+    runs it again from step 0 with its config instead of refusing the directory, and the stale
+    metrics rows are dropped."""
+    cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="early", run__seed=3,
+                                     diloco__cpus_per_worker=0.5))
+    run_dir = tmp_path / "runs" / "early"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"outer_step": 1, "inner_step": 5, "train_loss": 9.9}) + "\n")
+    summary = train(None, resume=run_dir, corpus=corpus)
+    assert summary["inner_steps"] == 10 and summary["config"]["run"]["seed"] == 3
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["outer_step"] for r in rows] == [1, 2] and rows[0]["train_loss"] != 9.9

@@ -1,0 +1,189 @@
+"""Run directories on cloud or shared storage (``run.storage_path``), the way Ray Train does it.
+
+A run always writes to a local directory first (``run.output_dir/NAME``: checkpoints are
+written there atomically). When ``run.storage_path`` is a URI (``s3://bucket/runs``,
+``gs://bucket/runs``, ``file:///mnt/shared/runs`` or any other scheme pyarrow or fsspec knows),
+the run directory is mirrored to ``storage_path/NAME``:
+
+- after every checkpoint: ``config.yaml``, ``metrics.jsonl``, the tokenizer, the W&B run id and
+  each new checkpoint (one ``state.pt`` object per checkpoint: a single PUT, so a checkpoint is
+  on the storage whole or not at all); checkpoints pruned locally are deleted there too;
+- at the end: ``summary.json`` and the exported model (``final/``).
+
+``ray-diloco train --resume s3://bucket/runs/NAME`` downloads what a resume needs (config,
+tokenizer, metrics, newest checkpoint) into ``run.output_dir/NAME`` and continues; a trial of a
+sweep whose storage is remote does the same when Tune restarts it on another node.
+
+A plain local path in ``run.storage_path`` is simply where run directories go (no mirror).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, ConfigError
+
+#: Files and folders mirrored after every checkpoint (besides the checkpoints themselves).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "wandb_id.txt", "tokenizer")
+#: Mirrored once the run has finished.
+FINAL_FILES = ("summary.json", "final")
+
+
+def is_uri(path: str | None) -> bool:
+    """True for ``scheme://...`` (a filesystem other than a plain local path)."""
+    return bool(path) and "://" in str(path)
+
+
+def filesystem(uri: str) -> tuple[Any, str]:
+    """``(pyarrow.fs.FileSystem, path inside it)`` for ``uri``: pyarrow's own filesystems
+    (local ``file://``, ``s3://``, ``gs://``, ``hdfs://``) first, else fsspec's (``memory://``,
+    ``az://``, ...) wrapped for pyarrow.
+
+    Raises:
+        ConfigError: the scheme is unknown to both, or its client library is missing.
+    """
+    import pyarrow.fs as pafs
+
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except Exception:  # ArrowInvalid / ArrowNotImplementedError for schemes pyarrow lacks
+        pass
+    try:
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri)
+    except (ImportError, ValueError) as e:
+        raise ConfigError([f"run.storage_path = {uri!r}: no filesystem for this URI ({str(e).splitlines()[0]}); "
+                           "use a local path, s3://, gs://, file:// or a scheme fsspec knows"]) from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def remote_run_dir(storage_path: str, name: str) -> str:
+    """``storage_path/name`` as a URI; a query (``s3://b/runs?endpoint_override=...``, the
+    options pyarrow reads from it) stays at the end."""
+    base, sep, query = storage_path.partition("?")
+    return base.rstrip("/") + "/" + name + sep + query
+
+
+def _put_file(fs: Any, local: Path, remote: str) -> None:
+    fs.create_dir(posixpath.dirname(remote), recursive=True)
+    with open(local, "rb") as src, fs.open_output_stream(remote) as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+
+
+def _put(fs: Any, local: Path, remote: str) -> None:
+    if local.is_dir():
+        for p in sorted(local.rglob("*")):
+            if p.is_file():
+                _put_file(fs, p, remote + "/" + p.relative_to(local).as_posix())
+    elif local.is_file():
+        _put_file(fs, local, remote)
+
+
+def _listing(fs: Any, path: str, recursive: bool = False) -> list[Any]:
+    import pyarrow.fs as pafs
+
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=recursive))
+    except (OSError, FileNotFoundError):
+        return []
+
+
+class Mirror:
+    """Copies a local run directory to ``storage_path/NAME`` (see the module docstring).
+
+    Upload errors are reported once per call on stderr and never stop training: the local run
+    directory stays complete, and the next call uploads what is missing.
+    """
+
+    def __init__(self, run_dir: Path, storage_path: str):
+        self.run_dir = Path(run_dir)
+        self.uri = remote_run_dir(storage_path, self.run_dir.name)
+        self.fs, self.path = filesystem(self.uri)
+        self._uploaded: set[str] = set()
+
+    def sync(self, final: bool = False) -> bool:
+        """Upload new checkpoints and the run files (and, when ``final``, the summary and the
+        exported model); delete checkpoints no longer kept locally. Returns True on success."""
+        from .checkpoint import STATE_FILE, list_checkpoints
+
+        try:
+            local = {p.name: p for _, p in list_checkpoints(self.run_dir)}
+            for name, p in local.items():  # oldest first: the newest is written last
+                if name not in self._uploaded:
+                    _put(self.fs, p / STATE_FILE, f"{self.path}/checkpoints/{name}/{STATE_FILE}")
+                    self._uploaded.add(name)
+            for info in _listing(self.fs, f"{self.path}/checkpoints"):
+                if info.base_name not in local and info.base_name.startswith("step_"):
+                    self.fs.delete_dir(info.path)
+                    self._uploaded.discard(info.base_name)
+            for name in RUN_FILES + (FINAL_FILES if final else ()):
+                _put(self.fs, self.run_dir / name, f"{self.path}/{name}")
+            return True
+        except Exception as e:  # network, permissions, quota: keep training; the local copy is whole
+            print(f"warning: could not mirror the run to {self.uri} ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+            return False
+
+
+def download_run(uri: str, output_dir: str | Path) -> Path:
+    """Fetch what a resume needs from a mirrored run directory ``uri`` into
+    ``output_dir/NAME``: config, tokenizer, metrics, W&B id and the newest checkpoint. Files
+    already there are replaced only by newer checkpoints. Returns the local run directory.
+
+    Raises:
+        CheckpointError: nothing resumable at ``uri`` (no config.yaml or no checkpoint).
+    """
+    import pyarrow.fs as pafs
+
+    from .checkpoint import STATE_FILE, list_checkpoints
+
+    fs, path = filesystem(uri)
+    name = posixpath.basename(path.rstrip("/"))
+    local = Path(output_dir).expanduser() / name
+    try:
+        if fs.get_file_info(f"{path}/config.yaml").type != pafs.FileType.File:
+            raise CheckpointError(f"--resume {uri}: not a run directory (no config.yaml there)")
+        steps = sorted(i.base_name for i in _listing(fs, f"{path}/checkpoints")
+                       if i.base_name.startswith("step_")
+                       and fs.get_file_info(f"{i.path}/{STATE_FILE}").type == pafs.FileType.File)
+        if not steps:
+            raise CheckpointError(f"--resume {uri}: no complete checkpoint there")
+        newest = steps[-1]
+        have = {p.name for _, p in list_checkpoints(local)}
+        local.mkdir(parents=True, exist_ok=True)
+        for item in RUN_FILES:
+            info = fs.get_file_info(f"{path}/{item}")
+            if info.type == pafs.FileType.Directory:
+                for sub in _listing(fs, f"{path}/{item}", recursive=True):
+                    if sub.type == pafs.FileType.File:
+                        _get_file(fs, sub.path, local / item / sub.path[len(f"{path}/{item}/"):])
+            elif info.type == pafs.FileType.File:
+                _get_file(fs, f"{path}/{item}", local / item)
+        if newest not in have:
+            target = local / "checkpoints" / newest
+            tmp = local / "checkpoints" / f".tmp-{newest}"  # removed by remove_partial_checkpoints if killed
+            tmp.mkdir(parents=True, exist_ok=True)
+            _get_file(fs, f"{path}/checkpoints/{newest}/{STATE_FILE}", tmp / STATE_FILE)
+            tmp.rename(target)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"--resume {uri}: cannot read it ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return local
+
+
+def _get_file(fs: Any, remote: str, local: Path) -> None:
+    import os
+
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(local.name + ".part")
+    with fs.open_input_stream(remote) as src, open(tmp, "wb") as dst:
+        while chunk := src.read(8 << 20):
+            dst.write(chunk)
+    os.replace(tmp, local)

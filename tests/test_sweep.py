@@ -1,0 +1,161 @@
+"""Ray Tune sweeps (issue 5): search-space checks, a real sweep with ASHA on this machine that is
+interrupted and resumed, W&B offline runs per trial, a failing trial and a broken W&B."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import ROOT, run_cli
+from wandb_records import run_contents
+
+from ray_diloco.errors import ConfigError
+from ray_diloco.sweep import load_space
+
+# shrinks the shipped CPU space to a model that trains in seconds (the sweep machinery is unchanged)
+SMALL = ["model.n_layers=2", "model.n_heads=2", "model.d_model=32", "model.d_ff=64", "model.context=16",
+         "data.seq_len=16", "run.steps=20", "inner.warmup_steps=2", "inner.global_batch=4", "run.eval_batch=256"]
+
+
+def _space(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "space.yaml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("params: {outer.lr: {grid: [0.4]}}\nschedule: asha\n", "schedule: unknown search-space key"),
+    ("params: {outer.lr: {grid: []}}\n", "params.outer.lr.grid = []: must be a non-empty list"),
+    ("params: {}\n", "params = {}: must be a non-empty mapping"),
+    ("params: {outer.bogus: {grid: [1]}}\n", "outer.bogus: unknown config field"),
+    ("params: {diloco.H: {grid: [ten]}}\n", "diloco.H = 'ten': expected int"),
+    ("params: {inner.lr: {loguniform: [0, 1]}}\n", "params.inner.lr.loguniform = [0, 1]: must be [low, high]"),
+    ("params: {inner.lr: {normal: [0, 1]}}\n", "params.inner.lr = {'normal': [0, 1]}: expected one of"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nscheduler: hyperband\n", "scheduler = 'hyperband': must be one of fifo, asha"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nset: {run.stepz: 3}\n", "run.stepz: unknown config field"),
+])
+def test_bad_search_space_gives_one_line_naming_the_key(tmp_path, text, expected):
+    with pytest.raises(ConfigError) as e:
+        load_space(_space(tmp_path, text))
+    assert len(e.value.lines()) == 1, e.value.lines()
+    assert expected in e.value.lines()[0]
+
+
+def test_papers_grids_and_trial_bundles():
+    """The shipped spaces load; geometric grids give the papers' powers of sqrt(2) and of 2; a
+    trial's placement group is its own bundle + one bundle per replica worker."""
+    for p in sorted((ROOT / "tune_spaces").glob("*.yaml")):
+        load_space(p, name="check", storage_path="/tmp/unused")
+    s = load_space(ROOT / "tune_spaces" / "scaling_law_grid.yaml", name="check", storage_path="/tmp/unused")
+    lrs = s.grid_values("inner.lr")
+    assert all(math.isclose(b / a, math.sqrt(2), rel_tol=1e-4) for a, b in zip(lrs, lrs[1:]))
+    batches = s.grid_values("inner.global_batch")
+    assert all(isinstance(b, int) for b in batches) and all(b == 2 * a for a, b in zip(batches, batches[1:]))
+    s = load_space(ROOT / "tune_spaces" / "cpu_outer_lr_h_m.yaml", name="check", storage_path="/tmp/unused")
+    assert s.grid_values("outer.lr") == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert s.grid_values("diloco.H") == [1, 5, 10, 30, 100, 300] and s.grid_values("diloco.replicas") == [1, 2, 4, 8]
+    cfg = s.trial_config({"outer.lr": 0.2, "diloco.H": 5, "diloco.replicas": 4}, validate=False)
+    b = s.bundles(cfg)
+    assert len(b) == 1 + 4 * cfg.diloco.workers_per_replica
+    assert all(x == {"CPU": cfg.diloco.cpus_per_worker} for x in b[1:])
+
+
+def test_tune_cli_bad_input_is_one_line(tmp_path):
+    bad = _space(tmp_path, "params: {outer.lr: {grid: []}}\nsearchh: optuna\n")
+    proc = run_cli(["tune", "--space", str(bad)], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["error: config error: searchh: unknown search-space key (allowed: description, config, set, params, metric, "
+                     "mode, num_samples, scheduler, asha, search, resources, max_concurrent_trials)",
+                     "error: config error: params.outer.lr.grid = []: must be a non-empty list of values"], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp_path, small_text):
+    """4 trials of the shipped CPU space (shrunk model) with ASHA. Interrupted (SIGINT) once the
+    first trial has finished, resumed with --resume while W&B is set online against a server
+    that does not answer: every trial ends, the results table has 4 rows, the best config is
+    printed and written, and each trial has an offline W&B run (written directly before the
+    interruption, as the fallback after it) in the sweep's group with its config and its
+    eval-loss history, equal to its metrics.jsonl."""
+    args = ["tune", "--space", str(ROOT / "tune_spaces" / "cpu_outer_lr.yaml"), "--name", "sw",
+            "--storage-path", str(tmp_path / "sweeps"), "--set", f"data.path={small_text}",
+            "--set", "tracking.wandb=true", "--set", "tracking.init_timeout_s=3",
+            *[x for s in SMALL for x in ("--set", s)]]
+    sweep = tmp_path / "sweeps" / "sw"
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args], cwd=str(ROOT), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")), 300, "a finished trial")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert f"continue it with ray-diloco tune --resume {sweep}" in out
+    first = pd.read_csv(sweep / "results.csv")
+    assert len(first) == 4 and (first["status"] != "TERMINATED").any() and "Traceback" not in out
+    broken_wandb = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    resumed = run_cli(["tune", "--resume", str(sweep)], env=broken_wandb, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "W&B unreachable" in resumed.stdout + resumed.stderr
+    df = pd.read_csv(sweep / "results.csv")
+    pq = pd.read_parquet(sweep / "results.parquet")
+    assert len(df) == len(pq) == 4 and set(df["status"]) <= {"TERMINATED", "STOPPED"}, df[["trial", "status"]]
+    assert sorted(zip(df["outer.lr"], df["diloco.H"])) == [(0.4, 5), (0.4, 10), (0.8, 5), (0.8, 10)]
+    assert (df["status"] == "TERMINATED").sum() >= 2  # ASHA keeps at least the best of each rung going
+    for col in ("num_parameters", "replicas", "H", "inner_lr", "outer_lr", "global_batch", "tokens",
+                "final_eval_loss", "best_eval_loss", "bytes_sent"):
+        assert df[col].notna().all(), col
+    best = df.loc[df["final_eval_loss"].idxmin()]
+    assert f"best trial {best['trial']}: final_eval_loss {best['final_eval_loss']:.4f}" in resumed.stdout
+    best_cfg = yaml.safe_load((sweep / "best_config.yaml").read_text())
+    assert best_cfg["outer"]["lr"] == best["outer.lr"] and best_cfg["diloco"]["H"] == best["diloco.H"]
+    for _, row in df.iterrows():
+        run_dir = Path(row["run_dir"])
+        metrics = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [m["outer_step"] for m in metrics]
+        assert steps == list(range(1, row["outer_steps"] + 1)), steps  # a resumed trial repeats no step
+        assert metrics[-1]["eval_loss"] == pytest.approx(row["final_eval_loss"], rel=1e-9)
+        for wb in run_contents(run_dir, every=True):  # a resumed trial: before and after the interruption
+            assert wb["group"] == "sw" and "sweep" in wb["tags"]
+            assert wb["config"]["outer"]["lr"] == row["outer.lr"] and wb["config"]["diloco"]["H"] == row["diloco.H"]
+        logged = [h["eval_loss"] for wb in run_contents(run_dir, every=True) for h in wb["history"] if "eval_loss" in h]
+        assert logged[-len(metrics):] == pytest.approx([m["eval_loss"] for m in metrics], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_failing_trial_does_not_stop_the_sweep(tmp_path, small_text):
+    """One trial has an invalid outer lr: it errors with the config's one-line reason, the other
+    trial completes, and the sweep exits 0 (W&B disabled here)."""
+    space = _space(tmp_path, "set: {diloco.H: 5, diloco.replicas: 1, run.checkpoint_every: 0}\n"
+                             "params: {outer.lr: {grid: [0.7, -1.0]}}\n"
+                             "resources: {cpus_per_worker: 0.5, trial_cpus: 0.25}\n")
+    proc = run_cli(["tune", "--space", str(space), "--name", "bad", "--storage-path", str(tmp_path / "sweeps"),
+                    "--set", f"data.path={small_text}", "--set", "tracking.wandb=false",
+                    *[x for s in SMALL for x in ("--set", s)]], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "sweeps" / "bad" / "results.csv")
+    ok, bad = df[df["outer.lr"] > 0].iloc[0], df[df["outer.lr"] < 0].iloc[0]
+    assert ok["status"] == "TERMINATED" and math.isfinite(ok["final_eval_loss"])
+    assert bad["status"] == "ERROR" and bad["error"] == "config error: outer.lr = -1.0: must be a finite number > 0"
+    assert "failed: config error: outer.lr = -1.0: must be a finite number > 0" in proc.stdout
+    assert not list((tmp_path / "sweeps" / "bad" / "trials").glob("*/wandb"))
