@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from ray.tune import Trainable
 
 from .config import Config, load_config, resolve_config_path
 from .errors import ConfigError, RayDilocoError
@@ -362,29 +363,18 @@ class TrialError(RuntimeError):
     """A trial's run failed with a one-line reason (shown in the results table's ``error``)."""
 
 
-def run_trial(params: dict[str, Any], spec: dict[str, Any]) -> None:
-    """Ray Tune function trainable: one full run with ``params`` on the trial's reserved bundles.
-
-    Reports after every outer step (see the module docstring). A run directory left by an
-    interrupted sweep is resumed from its newest checkpoint.
+def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config | None, Path, Path | None, Path]:
+    """A trial's config, run directory and what to resume (a run directory left by an interrupted
+    sweep; with remote storage, fetched from there).
 
     Raises:
-        TrialError: the run failed (invalid value, divergence detected by the trainer, a cluster
-            error); Tune marks only this trial as errored.
+        TrialError: an invalid value in ``params``.
     """
     import shutil
 
-    import ray
-    from ray import tune
-
-    from . import cluster
     from .checkpoint import list_checkpoints
     from .storage import is_uri
-    from .trainer import train
 
-    s = SweepSpec(**spec)
-    ctx = tune.get_context()
-    trial = ctx.get_trial_id()  # also the name of Tune's trial directory (trial_dirname_creator)
     remote = is_uri(s.storage_path)
     local_root = Path(s.set.get("run.output_dir") or Path.cwd()) / "sweep-staging" / s.name / "trials" if remote \
         else Path(s.sweep_dir) / "trials"
@@ -414,31 +404,109 @@ def run_trial(params: dict[str, Any], spec: dict[str, Any]) -> None:
             resume = run_dir
         else:  # stopped before its first checkpoint: start it again
             shutil.rmtree(run_dir)
-    best = [math.inf]
+    return cfg, run_dir, resume, local_root
 
-    def report(row: dict[str, Any]) -> None:
+
+class _StopTrial(Exception):
+    """Raised in the training thread at an outer-step boundary when Tune stops the trial."""
+
+
+class DilocoTrial(Trainable):
+    """Ray Tune class trainable: one full run with the trial's parameters on its reserved bundles.
+
+    The run (:func:`ray_diloco.trainer.train`) goes on in a thread; each :meth:`step` returns the
+    next outer step's metrics (see the module docstring), the last one with ``done``. When Tune
+    stops the trial (ASHA, Ctrl-C), :meth:`cleanup` ends the run at its next outer-step boundary
+    the normal way, so its W&B run is finished and its replicas and placement bundles released.
+
+    Raises (from :meth:`step`):
+        TrialError: the run failed (invalid value, cluster error); Tune marks only this trial.
+    """
+
+    def setup(self, config: dict[str, Any], spec: dict[str, Any]) -> None:  # noqa: D401 - Tune hook
+        import queue
+        import threading
+
+        import ray
+
+        from . import cluster
+
+        self._spec = SweepSpec(**spec)
+        self._rows: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._last: dict[str, Any] = {}
+        cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
+        self._final = cfg.num_outer_steps
+        self._best = _best_so_far(self._run_dir) if resume is not None else math.inf
+        cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
+        self._thread = threading.Thread(target=self._train, args=(cfg, resume, local_root), daemon=True,
+                                        name="diloco-trial")
+        self._thread.start()
+
+    def _train(self, cfg: Config, resume: Path | None, local_root: Path) -> None:
+        from .trainer import train
+
+        try:
+            if resume is not None:
+                train(None, [f"run.output_dir={local_root}", "tracking.progress=false"], resume=resume,
+                      on_outer_step=self._on_outer_step)
+            else:
+                train(cfg, on_outer_step=self._on_outer_step)
+        except _StopTrial:
+            pass
+        except RayDilocoError as e:
+            self._error = TrialError("; ".join(e.lines()))
+        except BaseException as e:  # noqa: BLE001 - handed to Tune through step()
+            self._error = e
+        finally:
+            self._rows.put(None)
+
+    def _metrics(self, row: dict[str, Any]) -> dict[str, Any]:
         loss = row.get("eval_loss")
         if loss is not None and math.isfinite(loss):
-            best[0] = min(best[0], loss)
-        tune.report({
-            "outer_step": row["outer_step"], "inner_step": row["inner_step"],
-            "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": best[0],
-            "train_loss": row["train_loss"], "tokens": row["tokens"],
-            "bytes_sent": row["bytes_sent_total"], "bytes_received": row["bytes_received_total"],
-            "run_dir": str(run_dir),
-        })
+            self._best = min(self._best, loss)
+        return {"outer_step": row["outer_step"], "inner_step": row["inner_step"],
+                "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": self._best,
+                "train_loss": row["train_loss"], "tokens": row["tokens"],
+                "bytes_sent": row["bytes_sent_total"], "bytes_received": row["bytes_received_total"],
+                "run_dir": str(self._run_dir)}
 
-    if resume is not None:  # the evaluations before the checkpoint count for best_eval_loss
-        best[0] = _best_so_far(run_dir)
-    cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
-    try:
-        if resume is not None:
-            overrides = [f"run.output_dir={local_root}", "tracking.progress=false"]
-            train(None, overrides, resume=resume, on_outer_step=report)
-        else:
-            train(cfg, on_outer_step=report)
-    except RayDilocoError as e:
-        raise TrialError("; ".join(e.lines())) from None
+    def _on_outer_step(self, row: dict[str, Any]) -> None:
+        self._rows.put(self._metrics(row))
+        if self._stop.is_set() and row["outer_step"] < self._final:  # the last one goes on to the export
+            raise _StopTrial
+
+    def step(self) -> dict[str, Any]:
+        """The next outer step's metrics; ``done`` once the run has finished (export included)."""
+        row = self._rows.get()
+        if row is not None and row["outer_step"] >= self._final:
+            self._thread.join()  # export and summary
+            return {**row, "done": True}
+        if row is None:
+            if self._error is not None:
+                raise self._error
+            if not self._last:  # restored after its last outer step: report that step again
+                import json
+
+                lines = (self._run_dir / "metrics.jsonl").read_text().splitlines()
+                self._last = self._metrics(json.loads(lines[-1]))
+            return {**self._last, "done": True}
+        self._last = row
+        return row
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Tune's checkpoint holds only where the run is: the run's own atomic checkpoints (in its
+        run directory, found again by trial id on restore) are what a resume loads."""
+        return {"run_dir": str(self._run_dir)}
+
+    def load_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """Nothing to load: :meth:`setup` already resumed the run from its run directory."""
+
+    def cleanup(self) -> None:
+        """Stop the run at its next outer-step boundary (30 s at most) and let it clean up."""
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 def _best_so_far(run_dir: Path) -> float:
@@ -489,8 +557,7 @@ def _trainable(spec: SweepSpec) -> Any:
             bundles = [{"CPU": float(spec.resources.get("trial_cpus", 0.5))}]
         return tune.PlacementGroupFactory(bundles, strategy="PACK")
 
-    fn = tune.with_parameters(run_trial, spec=spec.to_dict())
-    return tune.with_resources(fn, resources)
+    return tune.with_resources(tune.with_parameters(DilocoTrial, spec=spec.to_dict()), resources)
 
 
 def _concurrency(spec: SweepSpec) -> int:
@@ -629,10 +696,13 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
     import json
 
     rows = []
+    saved = _saved_statuses(spec.sweep_dir)
     for r, t in zip(grid, _trials(grid)):
-        params = {k: r.config.get(k) for k in spec.params}
+        conf = r.config or getattr(t, "config", None) or {}  # a trial that never ran has no result config
+        params = {k: conf.get(k) for k in spec.params}
         m = r.metrics or {}
-        status = getattr(t, "status", None) or ("ERROR" if r.error else "TERMINATED")
+        status = saved.get(getattr(t, "trial_id", None)) or getattr(t, "status", None) or \
+            ("ERROR" if r.error else "TERMINATED")
         if status == "TERMINATED" and m.get("outer_step") is not None and _stopped_early(spec, params, m):
             status = "STOPPED"  # by the scheduler (ASHA) before its last outer step
         row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
@@ -670,10 +740,28 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
 
 
 def _trials(grid: Any) -> list[Any]:
-    """Tune's trial objects in the ResultGrid's order (they carry the status: TERMINATED, ERROR,
-    or PENDING/RUNNING/PAUSED when the sweep was interrupted)."""
+    """Tune's trial objects in the ResultGrid's order."""
     trials = list(getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or [])
     return trials if len(trials) == len(grid) else [None] * len(grid)
+
+
+def _saved_statuses(sweep_dir: str) -> dict[str, str]:
+    """Each trial's status in the experiment state Tune saved when the sweep stopped:
+    TERMINATED, ERROR, or PENDING/RUNNING/PAUSED when it was interrupted (the live trial objects
+    are all stopped by then, so they cannot tell)."""
+    import logging
+
+    from ray.tune import ExperimentAnalysis
+
+    log = logging.getLogger("ray.tune")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # it warns about trials that never reported
+    try:
+        return {t.trial_id: t.status for t in ExperimentAnalysis(sweep_dir).trials}
+    except Exception:
+        return {}
+    finally:
+        log.setLevel(level)
 
 
 def _stopped_early(spec: SweepSpec, params: dict[str, Any], m: dict[str, Any]) -> bool:

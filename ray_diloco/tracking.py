@@ -76,6 +76,9 @@ class Tracker:
             self.wandb_run = None
             if mode == "online":
                 try:
+                    import wandb
+
+                    wandb.teardown()  # the failed online run still holds the run id in this process
                     self.wandb_run = self._init_wandb("offline")
                     print(f"warning: W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
                           "(upload later with `wandb sync`)", file=sys.stderr)
@@ -94,7 +97,10 @@ class Tracker:
                 project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
                 tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
                 id=self._wandb_id(), resume="allow",
-                settings=wandb.Settings(silent=True, console="off", init_timeout=t.init_timeout_s),
+                # flush the offline log every second (default 15 s): a process killed without
+                # finishing (a trial stopped by ASHA, SIGKILL) keeps its history up to then
+                settings=wandb.Settings(silent=True, console="off", init_timeout=t.init_timeout_s,
+                                        x_transaction_log_flush_interval=1.0),
             )
 
     def _wandb_id(self) -> str:

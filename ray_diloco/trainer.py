@@ -757,9 +757,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             "export_dir": str(export_dir),
             "config": cfg.to_dict(),
         }
-        write_summary(run_dir, summary)
-        tracker.finish(summary)
+        tracker.finish(summary)  # first: summary.json marks a finished run, W&B included
         tracker = None
+        write_summary(run_dir, summary)
         if trainer.mirror is not None:
             trainer.mirror.sync(final=True)
     except ray.exceptions.RayError as e:

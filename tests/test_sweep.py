@@ -103,7 +103,10 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args], cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")), 300, "a finished trial")
+        # interrupt while one trial has finished and another is between checkpoints
+        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")) and any(
+            (d / "checkpoints").is_dir() and not (d / "summary.json").exists() for d in sweep.glob("trials/*")),
+            300, "a finished trial and a running one")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -112,7 +115,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     assert proc.returncode == 130, out[-3000:]
     assert f"continue it with ray-diloco tune --resume {sweep}" in out
     first = pd.read_csv(sweep / "results.csv")
-    assert len(first) == 4 and (first["status"] != "TERMINATED").any() and "Traceback" not in out
+    assert 2 <= len(first) <= 4 and (first["status"] != "TERMINATED").any() and "Traceback" not in out
     broken_wandb = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
     resumed = run_cli(["tune", "--resume", str(sweep)], env=broken_wandb, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -129,18 +132,23 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     assert f"best trial {best['trial']}: final_eval_loss {best['final_eval_loss']:.4f}" in resumed.stdout
     best_cfg = yaml.safe_load((sweep / "best_config.yaml").read_text())
     assert best_cfg["outer"]["lr"] == best["outer.lr"] and best_cfg["diloco"]["H"] == best["diloco.H"]
+    resumed_trials = 0
     for _, row in df.iterrows():
         run_dir = Path(row["run_dir"])
         metrics = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [m["outer_step"] for m in metrics]
         assert steps == list(range(1, row["outer_steps"] + 1)), steps  # a resumed trial repeats no step
         assert metrics[-1]["eval_loss"] == pytest.approx(row["final_eval_loss"], rel=1e-9)
-        for wb in run_contents(run_dir, every=True):  # a resumed trial: before and after the interruption
+        # one offline W&B log per process: a trial stopped by ASHA or by the interruption ends at an
+        # outer-step boundary and finishes its W&B run, so together its logs hold every evaluation once
+        logs = run_contents(run_dir, every=True)
+        for wb in logs:
             assert wb["group"] == "sw" and "sweep" in wb["tags"]
             assert wb["config"]["outer"]["lr"] == row["outer.lr"] and wb["config"]["diloco"]["H"] == row["diloco.H"]
-        logged = [h["eval_loss"] for wb in run_contents(run_dir, every=True) for h in wb["history"] if "eval_loss" in h]
-        assert logged[-len(metrics):] == pytest.approx([m["eval_loss"] for m in metrics], rel=1e-9)
-
+        logged = [h["eval_loss"] for wb in logs for h in wb["history"] if "eval_loss" in h]
+        assert logged == pytest.approx([m["eval_loss"] for m in metrics], rel=1e-9)
+        resumed_trials += len(logs) > 1
+    assert resumed_trials >= 1, "no trial was interrupted mid-run and resumed"
 
 @pytest.mark.slow
 def test_a_failing_trial_does_not_stop_the_sweep(tmp_path, small_text):

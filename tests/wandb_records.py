@@ -62,7 +62,7 @@ def run_contents(run_dir: Path, every: bool = False) -> Any:
 def _contents(path: Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
     history: list[dict[str, Any]] = []
-    info: dict[str, Any] = {}
+    info: dict[str, Any] = {"group": None, "name": None, "tags": []}  # empty when killed before W&B flushed
     for r in records(path):
         kind = r.WhichOneof("record_type")
         if kind == "run":
