@@ -44,7 +44,7 @@ class Replica:
 
 
 
-#: Set inside a Ray Tune trial (:mod:`ray_diloco.sweep`): the trial's placement group, whose
+#: Set inside a Ray Tune trial (:mod:`ray_diloco.trial`): the trial's placement group, whose
 #: bundle 0 hosts the trial itself and bundles ``1 + slot * W + rank`` the replicas' workers.
 #: Replicas are then placed in those reserved bundles instead of groups of their own, so
 #: concurrent trials never wait on each other's resources.

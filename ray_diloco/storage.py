@@ -19,6 +19,7 @@ A plain local path in ``run.storage_path`` is simply where run directories go (n
 
 from __future__ import annotations
 
+import os
 import posixpath
 import sys
 from pathlib import Path
@@ -179,11 +180,37 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
 
 
 def _get_file(fs: Any, remote: str, local: Path) -> None:
-    import os
-
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(local.name + ".part")
     with fs.open_input_stream(remote) as src, open(tmp, "wb") as dst:
         while chunk := src.read(8 << 20):
             dst.write(chunk)
     os.replace(tmp, local)
+
+
+def read_text(uri_or_path: str) -> str | None:
+    """A small text file from a local path or a URI; None when it does not exist."""
+    if not is_uri(uri_or_path):
+        p = Path(uri_or_path).expanduser()
+        return p.read_text() if p.is_file() else None
+    fs, path = filesystem(uri_or_path)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read().decode()
+    except (OSError, FileNotFoundError):
+        return None
+
+
+def write_text(uri_or_path: str, text: str) -> None:
+    """Write a small text file to a local path (atomically: temp file + rename) or a URI (one PUT)."""
+    if not is_uri(uri_or_path):
+        p = Path(uri_or_path).expanduser()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, p)
+        return
+    fs, path = filesystem(uri_or_path)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(text.encode())

@@ -1,0 +1,180 @@
+"""One Ray Tune trial: a full DiLoCo (or DP) run on the bundles Tune reserved for it, reported
+outer step by outer step, stopped at an outer-step boundary, resumed from its own run directory.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ray.tune import Trainable
+
+from .config import Config
+from .errors import ConfigError, RayDilocoError
+from .space import SweepSpec
+
+class TrialError(RuntimeError):
+    """A trial's run failed with a one-line reason (shown in the results table's ``error``)."""
+
+
+def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config | None, Path, Path | None, Path]:
+    """A trial's config, run directory and what to resume (a run directory left by an interrupted
+    sweep; with remote storage, fetched from there).
+
+    Raises:
+        TrialError: an invalid value in ``params``.
+    """
+    import shutil
+
+    from .checkpoint import list_checkpoints
+    from .storage import is_uri
+
+    remote = is_uri(s.storage_path)
+    local_root = Path(s.set.get("run.output_dir") or Path.cwd()) / "sweep-staging" / s.name / "trials" if remote \
+        else Path(s.sweep_dir) / "trials"
+    try:
+        cfg = s.trial_config(params)
+    except ConfigError as e:
+        raise TrialError("; ".join(e.lines())) from None
+    cfg.run.name, cfg.run.output_dir = trial, str(local_root)
+    cfg.run.storage_path = s.sweep_dir + "/trials" if remote else None
+    if "run.eval_every" not in s.set and "run.eval_every" not in params:
+        cfg.run.eval_every = 1
+    cfg.tracking.progress = False
+    cfg.tracking.group = cfg.tracking.group or s.name
+    cfg.tracking.name = cfg.tracking.name or f"{s.name}/{trial}"
+    cfg.tracking.tags = list(cfg.tracking.tags) + ["sweep"]
+    run_dir = local_root / trial
+    resume = None
+    if remote:
+        from .storage import download_run, remote_run_dir
+
+        try:
+            resume = download_run(remote_run_dir(cfg.run.storage_path, trial), local_root)
+        except RayDilocoError:
+            resume = None
+    if resume is None and run_dir.exists():  # restored sweep: continue this trial's run
+        if list_checkpoints(run_dir):
+            resume = run_dir
+        else:  # stopped before its first checkpoint: start it again
+            shutil.rmtree(run_dir)
+    return cfg, run_dir, resume, local_root
+
+
+class _StopTrial(Exception):
+    """Raised in the training thread at an outer-step boundary when Tune stops the trial."""
+
+
+class DilocoTrial(Trainable):
+    """Ray Tune class trainable: one full run with the trial's parameters on its reserved bundles.
+
+    The run (:func:`ray_diloco.trainer.train`) goes on in a thread; each :meth:`step` returns the
+    next outer step's metrics (see the module docstring), the last one with ``done``. When Tune
+    stops the trial (ASHA, Ctrl-C), :meth:`cleanup` ends the run at its next outer-step boundary
+    the normal way, so its W&B run is finished and its replicas and placement bundles released.
+
+    Raises (from :meth:`step`):
+        TrialError: the run failed (invalid value, cluster error); Tune marks only this trial.
+    """
+
+    def setup(self, config: dict[str, Any], spec: dict[str, Any]) -> None:  # noqa: D401 - Tune hook
+        import queue
+        import threading
+
+        import ray
+
+        from . import cluster
+
+        self._spec = SweepSpec(**spec)
+        self._rows: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._last: dict[str, Any] = {}
+        cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
+        self._final = cfg.num_outer_steps
+        self._best = _best_so_far(self._run_dir) if resume is not None else math.inf
+        cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
+        self._thread = threading.Thread(target=self._train, args=(cfg, resume, local_root), daemon=True,
+                                        name="diloco-trial")
+        self._thread.start()
+
+    def _train(self, cfg: Config, resume: Path | None, local_root: Path) -> None:
+        from .trainer import train
+
+        try:
+            if resume is not None:
+                train(None, [f"run.output_dir={local_root}", "tracking.progress=false"], resume=resume,
+                      on_outer_step=self._on_outer_step)
+            else:
+                train(cfg, on_outer_step=self._on_outer_step)
+        except _StopTrial:
+            pass
+        except RayDilocoError as e:
+            self._error = TrialError("; ".join(e.lines()))
+        except BaseException as e:  # noqa: BLE001 - handed to Tune through step()
+            self._error = e
+        finally:
+            self._rows.put(None)
+
+    def _metrics(self, row: dict[str, Any]) -> dict[str, Any]:
+        loss = row.get("eval_loss")
+        if loss is not None and math.isfinite(loss):
+            self._best = min(self._best, loss)
+        return {"outer_step": row["outer_step"], "inner_step": row["inner_step"],
+                "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": self._best,
+                "train_loss": row["train_loss"], "tokens": row["tokens"],
+                "bytes_sent": row["bytes_sent_total"], "bytes_received": row["bytes_received_total"],
+                "run_dir": str(self._run_dir)}
+
+    def _on_outer_step(self, row: dict[str, Any]) -> None:
+        self._rows.put(self._metrics(row))
+        if self._stop.is_set() and row["outer_step"] < self._final:  # the last one goes on to the export
+            raise _StopTrial
+
+    def step(self) -> dict[str, Any]:
+        """The next outer step's metrics; ``done`` once the run has finished (export included)."""
+        row = self._rows.get()
+        if row is not None and row["outer_step"] >= self._final:
+            self._thread.join()  # export and summary
+            return {**row, "done": True}
+        if row is None:
+            if self._error is not None:
+                raise self._error
+            if not self._last:  # restored after its last outer step: report that step again
+                import json
+
+                lines = (self._run_dir / "metrics.jsonl").read_text().splitlines()
+                self._last = self._metrics(json.loads(lines[-1]))
+            return {**self._last, "done": True}
+        self._last = row
+        return row
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """Tune's checkpoint holds only where the run is: the run's own atomic checkpoints (in its
+        run directory, found again by trial id on restore) are what a resume loads."""
+        return {"run_dir": str(self._run_dir)}
+
+    def load_checkpoint(self, checkpoint: dict[str, Any] | None) -> None:
+        """Nothing to load: :meth:`setup` already resumed the run from its run directory."""
+
+    def cleanup(self) -> None:
+        """Stop the run at its next outer-step boundary (30 s at most) and let it clean up."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def _best_so_far(run_dir: Path) -> float:
+    import json
+
+    best = math.inf
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            v = json.loads(line).get("eval_loss")
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                best = min(best, v)
+    except (OSError, ValueError):
+        pass
+    return best
+
+
