@@ -69,10 +69,12 @@ class _StopTrial(Exception):
 class DilocoTrial(Trainable):
     """Ray Tune class trainable: one full run with the trial's parameters on its reserved bundles.
 
-    The run (:func:`ray_diloco.trainer.train`) goes on in a thread; each :meth:`step` returns the
-    next outer step's metrics (see the module docstring), the last one with ``done``. When Tune
-    stops the trial (ASHA, Ctrl-C), :meth:`cleanup` ends the run at its next outer-step boundary
-    the normal way, so its W&B run is finished and its replicas and placement bundles released.
+    The run (:func:`ray_diloco.trainer.train`) goes on in a thread, one outer step per
+    :meth:`step` call: each returns that outer step's metrics (see :mod:`ray_diloco.sweep`), the
+    last one with ``done``, and the thread waits at the boundary until Tune asks for the next.
+    When Tune stops the trial (ASHA, Ctrl-C), :meth:`cleanup` ends the run at that boundary the
+    normal way, so no outer step is trained past the last report, its W&B run is finished and its
+    replicas and placement bundles are released.
 
     Raises (from :meth:`step`):
         TrialError: the run failed (invalid value, cluster error); Tune marks only this trial.
@@ -89,6 +91,8 @@ class DilocoTrial(Trainable):
         self._spec = SweepSpec(**spec)
         self._rows: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._go = threading.Semaphore(0)  # released by step(): one more outer step is wanted
+        self._steps = 0
         self._error: BaseException | None = None
         self._last: dict[str, Any] = {}
         cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
@@ -128,12 +132,22 @@ class DilocoTrial(Trainable):
                 "run_dir": str(self._run_dir)}
 
     def _on_outer_step(self, row: dict[str, Any]) -> None:
+        """In the training thread: hand the row to :meth:`step`, then wait until Tune asks for the
+        next one (or stops the trial: then end here, at the boundary, without another outer step)."""
         self._rows.put(self._metrics(row))
-        if self._stop.is_set() and row["outer_step"] < self._final:  # the last one goes on to the export
+        if row["outer_step"] >= self._final:  # the last one goes on to the export
+            return
+        while not self._go.acquire(timeout=1.0):
+            if self._stop.is_set():
+                raise _StopTrial
+        if self._stop.is_set():
             raise _StopTrial
 
     def step(self) -> dict[str, Any]:
         """The next outer step's metrics; ``done`` once the run has finished (export included)."""
+        if self._steps:
+            self._go.release()  # the run may start its next outer step
+        self._steps += 1
         row = self._rows.get()
         if row is not None and row["outer_step"] >= self._final:
             self._thread.join()  # export and summary
@@ -159,8 +173,9 @@ class DilocoTrial(Trainable):
         """Nothing to load: :meth:`setup` already resumed the run from its run directory."""
 
     def cleanup(self) -> None:
-        """Stop the run at its next outer-step boundary (30 s at most) and let it clean up."""
+        """Stop the run at its outer-step boundary (30 s at most) and let it clean up."""
         self._stop.set()
+        self._go.release()
         self._thread.join(timeout=30)
 
 

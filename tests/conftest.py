@@ -59,10 +59,10 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"WANDB_MODE": "offline",
-                                           # workers import model builders defined in test modules
-                                           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}})
+        # workers inherit this environment (WANDB_MODE above; PYTHONPATH: they import model builders
+        # defined in test modules); no job runtime_env, so Ray's prestarted workers can host actors
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
 

@@ -476,7 +476,7 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     import yaml
     from conftest import ROOT
 
-    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=1500, diloco__H=25, run__eval_every=0,
+    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=1200, diloco__H=25, run__eval_every=0,
                          run__checkpoint_every=10, tracking__wandb=True, run__name="cli")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -508,7 +508,7 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     assert "join (step=" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["membership"]["death"] == 1 and summary["membership"]["join"] >= 1
-    assert summary["replicas_live"] == 2 and summary["outer_steps"] == 60
+    assert summary["replicas_live"] == 2 and summary["outer_steps"] == 48
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     events = [e["event"] for r in rows for e in r.get("events", [])]
     assert "death" in events and "join" in events
@@ -628,7 +628,7 @@ def test_every_replica_frozen_is_replaced_and_the_outer_step_runs_again(ray_sess
             os.kill(pid, signal.SIGSTOP)
         row = t._round(2)
         assert row["inner_step"] == 20 and np.isfinite(row["train_loss"])
-        assert {r.index for r in t.replicas}.isdisjoint(old) and len(t.replicas) == 2
+        assert t.replicas and {r.index for r in t.replicas}.isdisjoint(old)  # replacements, as they are ready
         deaths = [e for e in row["events"] if e["event"] == "death"]
         assert sorted(e["replica"] for e in deaths) == sorted(old)
         assert all("no replica finished the outer step" in e["reason"] for e in deaths)
