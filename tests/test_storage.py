@@ -138,3 +138,25 @@ def test_fsspec_memory_filesystem_and_bad_uris(tmp_path):
         download_run("memory://bucket/runs/nothing", tmp_path)
     with pytest.raises(ConfigError, match=r"run.storage_path = 'nosuchscheme://b/r': no filesystem for this URI"):
         filesystem("nosuchscheme://b/r")
+
+
+def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monkeypatch):
+    """tracking.log_model: the exported model directory becomes an artifact of type "model" in
+    the (offline) W&B run, with the final loss in its metadata."""
+    from wandb_records import records
+
+    from ray_diloco.tracking import Tracker
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = load_config({"tracking": {"wandb": True, "log_model": True, "progress": False}, "run": {"name": "art"}})
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text("{}")
+    t = Tracker(cfg, tmp_path, total_steps=1)
+    t.log({"outer_step": 1, "inner_step": 1, "train_loss": 1.5})
+    t.finish({"final_eval_loss": 1.25, "export_dir": str(final), "num_parameters": 7})
+    recs = records(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    arts = [r.artifact for r in recs if r.WhichOneof("record_type") == "artifact"]
+    assert [(a.type, a.name) for a in arts] == [("model", "model-" + tmp_path.name)]
+    assert json.loads(arts[0].metadata)["final_eval_loss"] == 1.25
+    assert [f.path for f in arts[0].manifest.contents] == ["config.json"]
