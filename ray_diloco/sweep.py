@@ -343,7 +343,8 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
             print(f"trial {r['trial']} ({swept}) failed: {r['error']}")
     print(f"results: {spec.sweep_dir}/results.csv")
     if best is None:
-        print("no trial reached a finite eval loss")
+        if all(r["status"] in ("TERMINATED", "STOPPED", "ERROR") for r in rows):  # not when interrupted
+            print("no trial reached a finite eval loss")
         return None
     swept = {k: best[k] for k in spec.params}
     cfg = spec.trial_config(swept, validate=False)

@@ -643,7 +643,13 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         if list_checkpoints(run_dir):
             _, ckpt_path = latest_checkpoint(run_dir)
             state = load_checkpoint(ckpt_path)
-            _check_resumable(cfg, load_config(state["config"], validate=False))
+            saved = load_config(state["config"], validate=False)
+            _check_resumable(cfg, saved)
+            done = int(state["counters"]["inner_step"])
+            if cfg.run.steps > saved.run.steps and done % cfg.diloco.H:
+                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint ends at inner step {done}, part way "
+                                   f"through an outer step of diloco.H = {cfg.diloco.H} (its run.steps = "
+                                   f"{saved.run.steps} is not a multiple of H), so the run cannot be extended"])
         else:  # it stopped before its first checkpoint (a failed start-up): run it again from step 0
             print(f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
                   file=sys.stderr)
@@ -715,6 +721,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if is_uri(cfg.run.storage_path):
             trainer.mirror = Mirror(run_dir, cfg.run.storage_path)
+            print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
+                  file=sys.stderr)
         trainer.start()
         if rs is not None:
             print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
