@@ -14,7 +14,7 @@ import yaml
 
 from .config import Config, load_config, resolve_config_path
 from .errors import ConfigError
-from .storage import read_text
+from .storage import join_uri, read_text
 
 SPACE_KEYS = ("description", "config", "set", "params", "metric", "mode", "num_samples", "scheduler", "asha",
               "search", "resources", "max_concurrent_trials")
@@ -47,7 +47,7 @@ class SweepSpec:
     @property
     def sweep_dir(self) -> str:
         """``storage_path/name`` (a local path or a URI)."""
-        return self.storage_path.rstrip("/") + "/" + self.name
+        return join_uri(self.storage_path, self.name)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (written as ``sweep.yaml``)."""
@@ -280,7 +280,7 @@ def load_spec(sweep_dir: str) -> SweepSpec:
     Raises:
         ConfigError: ``sweep_dir`` holds no ``sweep.yaml``.
     """
-    text = read_text(sweep_dir.rstrip("/") + "/" + SPEC_FILE)
+    text = read_text(join_uri(sweep_dir, SPEC_FILE))
     if text is None:
         raise ConfigError([f"--resume {sweep_dir}: not a sweep directory (no {SPEC_FILE})"])
     return SweepSpec(**yaml.safe_load(text))

@@ -62,9 +62,9 @@ def filesystem(uri: str) -> tuple[Any, str]:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
-def remote_run_dir(storage_path: str, name: str) -> str:
-    """``storage_path/name`` as a URI; a query (``s3://b/runs?endpoint_override=...``, the
-    options pyarrow reads from it) stays at the end."""
+def join_uri(storage_path: str, name: str) -> str:
+    """``storage_path/name`` (a local path or a URI); a query (``s3://b/runs?endpoint_override=...``,
+    the options pyarrow reads from it) stays at the end."""
     base, sep, query = storage_path.partition("?")
     return base.rstrip("/") + "/" + name + sep + query
 
@@ -103,7 +103,7 @@ class Mirror:
 
     def __init__(self, run_dir: Path, storage_path: str):
         self.run_dir = Path(run_dir)
-        self.uri = remote_run_dir(storage_path, self.run_dir.name)
+        self.uri = join_uri(storage_path, self.run_dir.name)
         self.fs, self.path = filesystem(self.uri)
         self._uploaded: set[str] = set()
 
@@ -201,16 +201,21 @@ def read_text(uri_or_path: str) -> str | None:
         return None
 
 
-def write_text(uri_or_path: str, text: str) -> None:
-    """Write a small text file to a local path (atomically: temp file + rename) or a URI (one PUT)."""
+def write_bytes(uri_or_path: str, data: bytes) -> None:
+    """Write a small file to a local path (atomically: temp file + rename) or a URI (one PUT)."""
     if not is_uri(uri_or_path):
         p = Path(uri_or_path).expanduser()
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, p)
         return
     fs, path = filesystem(uri_or_path)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as f:
-        f.write(text.encode())
+        f.write(data)
+
+
+def write_text(uri_or_path: str, text: str) -> None:
+    """:func:`write_bytes` of UTF-8 text."""
+    write_bytes(uri_or_path, text.encode())

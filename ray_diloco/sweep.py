@@ -39,6 +39,7 @@ status, error) and ``best_config.yaml`` (a config ``ray-diloco train --config`` 
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import signal
@@ -52,7 +53,7 @@ import yaml
 from .config import load_config
 from .errors import ConfigError
 from .space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
-from .storage import read_text, write_text
+from .storage import join_uri, read_text, write_bytes, write_text
 from .trial import DilocoTrial
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
@@ -176,7 +177,7 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
         if space is None:
             raise ConfigError(["--space: required (a search-space YAML, for example tune_spaces/cpu_outer_lr.yaml)"])
         spec = load_space(space, overrides, name, storage_path, scheduler, search, num_samples, max_concurrent)
-        if read_text(spec.sweep_dir + "/" + SPEC_FILE) is not None:
+        if read_text(join_uri(spec.sweep_dir, SPEC_FILE)) is not None:
             raise ConfigError([f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
                                f"--resume {spec.sweep_dir}, or choose another --name)"])
     cfg0 = load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()], validate=False)
@@ -196,7 +197,7 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
             tuner = rt.Tuner.restore(spec.sweep_dir, trainable=_trainable(spec), resume_unfinished=True,
                                      resume_errored=False, restart_errored=False)
         else:
-            write_text(spec.sweep_dir + "/" + SPEC_FILE, yaml.safe_dump(spec.to_dict(), sort_keys=False))
+            write_text(join_uri(spec.sweep_dir, SPEC_FILE), yaml.safe_dump(spec.to_dict(), sort_keys=False))
             tuner = rt.Tuner(_trainable(spec), param_space=spec.param_space(for_optuna=spec.search == "optuna"),
                              tune_config=tune_cfg, run_config=run_cfg)
         grid = tuner.fit()
@@ -205,7 +206,7 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
             ray.shutdown()
     rows = results_rows(spec, grid)
     best = write_results(spec, rows)
-    interrupted = any(r["status"] not in ("TERMINATED", "STOPPED", "ERROR") for r in rows)
+    interrupted = not _finished(rows)
     return {"sweep_dir": spec.sweep_dir, "rows": rows, "best": best, "interrupted": interrupted}
 
 
@@ -315,26 +316,25 @@ def _num_parameters(run_dir: str | None) -> int | None:
         return None
 
 
+def _finished(rows: list[dict[str, Any]]) -> bool:
+    """True when no trial is left to run (every status final: the sweep was not interrupted)."""
+    return all(r["status"] in ("TERMINATED", "STOPPED", "ERROR") for r in rows)
+
+
 def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """``results.csv``, ``results.parquet`` and ``best_config.yaml`` in the sweep directory;
     prints the table's best trial. Returns the best row (None: no finite loss)."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    key = "best_eval_loss" if spec.metric == "best_eval_loss" else "final_eval_loss" \
-        if spec.metric == "eval_loss" else "best_eval_loss"
+    key = "final_eval_loss" if spec.metric == "eval_loss" else "best_eval_loss"
     finite = [r for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
               and r["status"] != "ERROR"]
     best = (min if spec.mode == "min" else max)(finite, key=lambda r: r[key]) if finite else None
-    write_text(spec.sweep_dir + "/results.csv", df.to_csv(index=False))
-    from .storage import filesystem, is_uri
-
-    if is_uri(spec.sweep_dir):
-        fs, path = filesystem(spec.sweep_dir + "/results.parquet")
-        with fs.open_output_stream(path) as f:
-            df.to_parquet(f, index=False)
-    else:
-        df.to_parquet(Path(spec.sweep_dir) / "results.parquet", index=False)
+    write_text(join_uri(spec.sweep_dir, "results.csv"), df.to_csv(index=False))
+    parquet = io.BytesIO()
+    df.to_parquet(parquet, index=False)
+    write_bytes(join_uri(spec.sweep_dir, "results.parquet"), parquet.getvalue())
     counts = df["status"].value_counts().to_dict() if len(df) else {}
     print(f"{len(rows)} trial(s): " + ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items())))
     for r in rows:
@@ -343,13 +343,13 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
             print(f"trial {r['trial']} ({swept}) failed: {r['error']}")
     print(f"results: {spec.sweep_dir}/results.csv")
     if best is None:
-        if all(r["status"] in ("TERMINATED", "STOPPED", "ERROR") for r in rows):  # not when interrupted
+        if _finished(rows):  # not when interrupted
             print("no trial reached a finite eval loss")
         return None
     swept = {k: best[k] for k in spec.params}
     cfg = spec.trial_config(swept, validate=False)
     cfg.run.name = None
-    write_text(spec.sweep_dir + "/best_config.yaml", cfg.to_yaml())
+    write_text(join_uri(spec.sweep_dir, "best_config.yaml"), cfg.to_yaml())
     print(f"best trial {best['trial']}: {key} {best[key]:.4f} at outer step {best['outer_steps']} with "
           + " ".join(f"{k}={v}" for k, v in swept.items()))
     print(f"best config: {spec.sweep_dir}/best_config.yaml (ray-diloco train --config {spec.sweep_dir}/best_config.yaml)")

@@ -55,7 +55,7 @@ from .export import check_sizes, export_model
 from .model import ModelFn
 from .replica import fragment_plan
 from .schedules import SyncSchedule, is_due, outer_step_bounds
-from .storage import Mirror, download_run, filesystem, is_uri, remote_run_dir
+from .storage import Mirror, download_run, filesystem, is_uri, join_uri
 from .tracking import Tracker, write_summary
 
 
@@ -102,7 +102,7 @@ def _run_dir_for(cfg: Config) -> Path:
         raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
                            f"(resume it with --resume {run_dir}, or choose another run.name)"])
     if remote:
-        uri = remote_run_dir(cfg.run.storage_path, cfg.run.name)
+        uri = join_uri(cfg.run.storage_path, cfg.run.name)
         fs, path = filesystem(uri)
         try:
             exists = fs.get_file_info(f"{path}/config.yaml").type.name == "File"

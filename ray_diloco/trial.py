@@ -13,6 +13,7 @@ from ray.tune import Trainable
 from .config import Config
 from .errors import ConfigError, RayDilocoError
 from .space import SweepSpec
+from .storage import join_uri
 
 class TrialError(RuntimeError):
     """A trial's run failed with a one-line reason (shown in the results table's ``error``)."""
@@ -38,7 +39,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     except ConfigError as e:
         raise TrialError("; ".join(e.lines())) from None
     cfg.run.name, cfg.run.output_dir = trial, str(local_root)
-    cfg.run.storage_path = s.sweep_dir + "/trials" if remote else None
+    cfg.run.storage_path = join_uri(s.sweep_dir, "trials") if remote else None
     if "run.eval_every" not in s.set and "run.eval_every" not in params:
         cfg.run.eval_every = 1
     cfg.tracking.progress = False
@@ -48,10 +49,10 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     run_dir = local_root / trial
     resume = None
     if remote:
-        from .storage import download_run, remote_run_dir
+        from .storage import download_run
 
         try:
-            resume = download_run(remote_run_dir(cfg.run.storage_path, trial), local_root)
+            resume = download_run(join_uri(cfg.run.storage_path, trial), local_root)
         except RayDilocoError:
             resume = None
     if resume is None and run_dir.exists():  # restored sweep: continue this trial's run
