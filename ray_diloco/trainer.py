@@ -38,7 +38,6 @@ import numpy as np
 
 from .checkpoint import (
     global_params,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     lock_run_dir,
@@ -294,17 +293,17 @@ class Trainer:
                         pending.pop(other)
             if ready and first_done is None:
                 first_done = time.monotonic()
+            stuck = None  # why the replicas still running are removed as unresponsive
             if straggler_s is not None and first_done is not None and time.monotonic() - first_done > straggler_s:
-                for r in {id(rr): rr for rr in pending.values()}.values():
-                    self._lose(r, f"unresponsive: still training {straggler_s:g} s after the other replicas "
-                                  "finished the outer step (diloco.sync_timeout_s)")
-                pending = {}
+                stuck = (f"still training {straggler_s:g} s after the other replicas finished the outer step "
+                         "(diloco.sync_timeout_s)")
             elif (straggler_s is not None and first_done is None and self._slowest_round is not None
                   and time.monotonic() - t0 > 2 * self._slowest_round + straggler_s):
-                limit = 2 * self._slowest_round + straggler_s
+                stuck = (f"no replica finished the outer step within {2 * self._slowest_round + straggler_s:.0f} s "
+                         "(twice the slowest one so far + diloco.sync_timeout_s)")
+            if stuck is not None:
                 for r in {id(rr): rr for rr in pending.values()}.values():
-                    self._lose(r, f"unresponsive: no replica finished the outer step within {limit:.0f} s (twice "
-                                  "the slowest one so far + diloco.sync_timeout_s)")
+                    self._lose(r, f"unresponsive: {stuck}")
                 pending = {}
             if self.members is not None and self.outer is not None:
                 self.members.poll()
@@ -640,9 +639,9 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         if not (run_dir / "config.yaml").is_file():
             raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
         cfg = load_config(run_dir / "config.yaml", overrides)
-        if list_checkpoints(run_dir):
-            _, ckpt_path = latest_checkpoint(run_dir)
-            state = load_checkpoint(ckpt_path)
+        ckpts = list_checkpoints(run_dir)
+        if ckpts:
+            state = load_checkpoint(ckpts[-1][1])
             saved = load_config(state["config"], validate=False)
             _check_resumable(cfg, saved)
             done = int(state["counters"]["inner_step"])
