@@ -504,10 +504,7 @@ class Trainer:
             "workers": workers_state,
             "membership": self.members.state_dict() if self.members is not None else None,
         }
-        path = save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
-        if self.mirror is not None:
-            self.mirror.sync()
-        return path
+        return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
 
     def global_params(self) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
@@ -536,9 +533,12 @@ class Trainer:
                 self.state.last_eval = self.evaluate()
                 self.state.evals.append((k, self.state.last_eval))
                 row["eval_loss"] = self.state.last_eval
-            if is_due(k, cfg.run.checkpoint_every, last):
+            saved = is_due(k, cfg.run.checkpoint_every, last)
+            if saved:
                 self.checkpoint()
             tracker.log(row)
+            if saved and self.mirror is not None:  # after the row: the stored metrics reach the checkpoint
+                self.mirror.sync()
             if self.on_outer_step is not None:
                 self.on_outer_step(row)
             tracker.progress(row["inner_step"] - outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)[0],

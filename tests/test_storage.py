@@ -68,8 +68,16 @@ def test_a_run_is_mirrored_to_s3_and_resumes_from_it_elsewhere(ray_session, tmp_
     over = dict(run__steps=10, run__keep_checkpoints=1, run__deterministic=True, run__storage_path=store,
                 run__name="mirrored", diloco__cpus_per_worker=0.5)
     cfg = load_config(tiny_overrides(tmp_path, **over))
-    summary = train(cfg, corpus=corpus)
     uri = store.replace("/runs?", "/runs/mirrored?")
+    stored_rows = []
+
+    def remote_metrics(row):  # after each checkpoint, the stored metrics reach that outer step
+        fs, path = filesystem(uri)
+        with fs.open_input_stream(path + "/metrics.jsonl") as f:
+            stored_rows.append((row["outer_step"], len(f.read().decode().splitlines())))
+
+    summary = train(cfg, corpus=corpus, on_outer_step=remote_metrics)
+    assert stored_rows == [(1, 1), (2, 2)]
     assert summary["storage_uri"] == uri
     files = _remote_files(uri)
     assert {"config.yaml", "metrics.jsonl", "summary.json", "checkpoints/step_000002/state.pt",
