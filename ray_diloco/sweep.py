@@ -233,17 +233,18 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         conf = r.config or getattr(t, "config", None) or {}  # a trial that never ran has no result config
         params = {k: conf.get(k) for k in spec.params}
         m = r.metrics or {}
-        status = saved.get(getattr(t, "trial_id", None)) or getattr(t, "status", None) or \
-            ("ERROR" if r.error else "TERMINATED")
-        if status == "TERMINATED" and m.get("outer_step") is not None and _stopped_early(spec, params, m):
-            status = "STOPPED"  # by the scheduler (ASHA) before its last outer step
-        row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
-                               "status": status}
-        row.update(params)
         try:
             cfg = spec.trial_config(params, validate=False)
         except ConfigError:
             cfg = None
+        status = saved.get(getattr(t, "trial_id", None)) or getattr(t, "status", None) or \
+            ("ERROR" if r.error else "TERMINATED")
+        if status == "TERMINATED" and cfg is not None and m.get("outer_step") is not None \
+                and m["outer_step"] < cfg.num_outer_steps:
+            status = "STOPPED"  # by the scheduler (ASHA) before its last outer step
+        row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
+                               "status": status}
+        row.update(params)
         run_dir = m.get("run_dir")
         summary = {}
         if run_dir and (Path(run_dir) / "summary.json").is_file():
@@ -294,13 +295,6 @@ def _saved_statuses(sweep_dir: str) -> dict[str, str]:
         return {}
     finally:
         log.setLevel(level)
-
-
-def _stopped_early(spec: SweepSpec, params: dict[str, Any], m: dict[str, Any]) -> bool:
-    try:
-        return m["outer_step"] < spec.trial_config(params, validate=False).num_outer_steps
-    except ConfigError:
-        return False
 
 
 def _num_parameters(run_dir: str | None) -> int | None:
