@@ -108,27 +108,34 @@ def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep:
     return final
 
 
-def lock_run_dir(run_dir: Path):
-    """Take the run directory's exclusive lock (``RUN_DIR/.lock``) for this process's lifetime.
-
-    Returns the open lock file (keep it open; closing it releases the lock).
+def lock_dir(directory: Path, what: str):
+    """Take ``directory``'s exclusive lock (``DIR/.lock``, holding the owner's pid) for this
+    process's lifetime. Returns the open lock file (keep it open; closing it releases the lock).
 
     Raises:
-        CheckpointError: when another process holds it (a run or a resume already uses the directory).
+        CheckpointError: ``"{what}: in use by another ray-diloco process (pid N)"``.
     """
     import fcntl
 
-    f = open(Path(run_dir) / ".lock", "a+")
+    f = open(Path(directory) / ".lock", "a+")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        f.seek(0)
+        holder = f.read().strip()
         f.close()
-        raise CheckpointError(f"run directory {run_dir}: in use by another ray-diloco process") from None
+        raise CheckpointError(f"{what}: in use by another ray-diloco process"
+                              + (f" (pid {holder})" if holder.isdigit() else "")) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
     return f
+
+
+def lock_run_dir(run_dir: Path):
+    """:func:`lock_dir` for a run directory (a run or a resume already using it is refused)."""
+    return lock_dir(run_dir, f"run directory {run_dir}")
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:

@@ -27,6 +27,9 @@ from .errors import ConfigError
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
+
+MAX_STEPS = 10**9  # inner steps of one run (more is a typo or an overflowing token budget)
+
 @dataclass
 class ModelConfig:
     """Decoder-only LM shape. ``preset`` fills every field left as ``None`` (see model.PRESETS)."""
@@ -537,7 +540,7 @@ def validate_config(cfg: Config) -> None:
     need(0 <= n.latency_ms <= 60_000, "network.latency_ms", n.latency_ms, "must be in [0, 60000] milliseconds")
 
     r = cfg.run
-    need(r.steps >= 1, "run.steps", r.steps, "must be an integer >= 1")
+    need(1 <= r.steps <= MAX_STEPS, "run.steps", r.steps, f"must be an integer in 1..{MAX_STEPS:,}")
     need(r.tokens_per_parameter is None or (r.tokens_per_parameter > 0 and math.isfinite(r.tokens_per_parameter)),
          "run.tokens_per_parameter", r.tokens_per_parameter, "must be a finite number > 0 (or none: use run.steps)")
     need(0 <= r.seed < 2**32, "run.seed", r.seed, "must be an integer in [0, 2**32)")

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .config import MAX_STEPS, ModelConfig
+from .errors import ConfigError
 
 # name: (family, layers, heads, d_model, d_ff, context, z_loss)
 PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
@@ -121,9 +122,17 @@ def lm_loss(
 def budget_steps(cfg: Any, vocab_size: int, model_fn: ModelFn | None = None) -> int:
     """Inner steps of the token budget ``run.tokens_per_parameter x N`` (Scaling Laws for DiLoCo,
     section 3: D = 20N): ``ceil(D / (inner.global_batch x data.seq_len))``. N (parameters) is
-    counted on the meta device, so nothing is allocated, even for a 10B model."""
+    counted on the meta device, so nothing is allocated, even for a 10B model.
+
+    Raises:
+        ConfigError: the budget needs more than ``MAX_STEPS`` inner steps.
+    """
     shape = resolve_model_shape(cfg.model, vocab_size)
     with torch.device("meta"):
         model = model_fn(shape, vocab_size) if model_fn is not None else build_transformers_model(shape)
     n = count_parameters(model)
-    return max(1, math.ceil(cfg.run.tokens_per_parameter * n / (cfg.inner.global_batch * cfg.data.seq_len)))
+    steps = max(1, math.ceil(cfg.run.tokens_per_parameter * n / (cfg.inner.global_batch * cfg.data.seq_len)))
+    if steps > MAX_STEPS:
+        raise ConfigError([f"run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g}: gives {steps:,} inner steps "
+                           f"for {n:,} parameters, more than the {MAX_STEPS:,} a run may have"])
+    return steps

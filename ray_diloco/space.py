@@ -5,6 +5,7 @@ its checks, and each trial's config and placement-group bundles.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -43,11 +44,20 @@ class SweepSpec:
     max_concurrent_trials: int | None = None
     name: str = ""  # the sweep's name (its directory under the storage path)
     storage_path: str = ""  # where sweep directories go (local path or URI)
+    staging_dir: str = ""  # with a URI storage_path: the local directory trials run in (set at each start)
 
     @property
     def sweep_dir(self) -> str:
         """``storage_path/name`` (a local path or a URI)."""
         return join_uri(self.storage_path, self.name)
+
+    @property
+    def local_dir(self) -> Path:
+        """The local directory of the sweep: ``sweep_dir`` itself, or with a URI storage path
+        ``staging_dir`` (the trials' run directories live under ``trials/`` and are mirrored)."""
+        from .storage import is_uri
+
+        return Path(self.staging_dir) if is_uri(self.storage_path) else Path(self.sweep_dir)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (written as ``sweep.yaml``)."""
@@ -130,9 +140,22 @@ def fmt_value(v: Any) -> str:
     return "none" if v is None else str(v)
 
 
+MAX_GRID = 10_000  # values in one grid-like parameter (a geometric count above it is a typo)
+NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
 def _need(ok: bool, problems: list[str], line: str) -> None:
     if not ok:
         problems.append(line)
+
+
+def _number(x: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_param(key: str, p: Any, problems: list[str]) -> None:
@@ -145,16 +168,20 @@ def _check_param(key: str, p: Any, problems: list[str]) -> None:
         _need(isinstance(arg, list) and len(arg) >= 1, problems,
               f"{where}.{kind} = {arg!r}: must be a non-empty list of values")
     elif kind in ("uniform", "loguniform", "randint"):
-        ok = isinstance(arg, list) and len(arg) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                             for x in arg) and arg[0] < arg[1]
+        ok = isinstance(arg, list) and len(arg) == 2 and all(map(_number, arg)) and arg[0] < arg[1]
         ok = ok and (kind != "loguniform" or arg[0] > 0) and (kind != "randint" or all(float(x).is_integer() for x in arg))
-        _need(ok, problems, f"{where}.{kind} = {arg!r}: must be [low, high] with low < high"
+        _need(ok, problems, f"{where}.{kind} = {arg!r}: must be [low, high], finite numbers with low < high"
               + (", both > 0" if kind == "loguniform" else ", integers" if kind == "randint" else ""))
     elif kind == "geometric":
         ok = isinstance(arg, dict) and set(arg) == {"start", "factor", "count"}
-        ok = ok and all(isinstance(arg[k], (int, float)) and not isinstance(arg[k], bool) for k in arg)
-        ok = ok and arg["start"] > 0 and arg["factor"] > 0 and float(arg["count"]).is_integer() and arg["count"] >= 1
-        _need(ok, problems, f"{where}.geometric = {arg!r}: must be {{start: > 0, factor: > 0, count: integer >= 1}}")
+        ok = ok and all(_number(arg[k]) for k in arg)
+        ok = ok and arg["start"] > 0 and arg["factor"] > 0 and float(arg["count"]).is_integer() \
+            and 1 <= arg["count"] <= MAX_GRID
+        if ok:  # every value start * factor^i a finite non-zero float
+            ends = (math.log(arg["start"]), math.log(arg["start"]) + (arg["count"] - 1) * math.log(arg["factor"]))
+            ok = all(-700 < e < 700 for e in ends)
+        _need(ok, problems, f"{where}.geometric = {arg!r}: must be {{start: > 0, factor: > 0, count: integer in "
+                            f"1..{MAX_GRID}}} with every value finite")
 
 
 def load_space(path: str | Path, overrides: list[str] | None = None, name: str | None = None,
@@ -167,6 +194,9 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
             key that is not a config field, a value of the wrong type), before anything starts.
     """
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError([f"--space {path}: is a directory; expected a search-space YAML file such as "
+                           "tune_spaces/cpu_outer_lr.yaml"])
     if not p.is_file():
         raise ConfigError([f"--space {path}: file not found"])
     try:
@@ -180,12 +210,6 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
         if k not in SPACE_KEYS:
             problems.append(f"{k}: unknown search-space key (allowed: {', '.join(SPACE_KEYS)})")
     params = data.get("params")
-    if not isinstance(params, dict) or not params:
-        problems.append(f"params = {params!r}: must be a non-empty mapping of config fields to "
-                        f"{{grid|choice|uniform|loguniform|randint|geometric: ...}}")
-        params = {}
-    for key, spec in params.items():
-        _check_param(str(key), spec, problems)
     fixed = data.get("set") or {}
     if not isinstance(fixed, dict):
         problems.append(f"set = {fixed!r}: must be a mapping of dotted config fields to values")
@@ -194,7 +218,8 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     if base is not None:  # a path relative to the space file, or a preset name
         rel = (p.parent / str(base))
         base = str(rel.resolve()) if rel.is_file() else str(base)
-    spec = SweepSpec(params={str(k): v for k, v in params.items()}, config=base,
+    params = {str(k): v for k, v in params.items()} if isinstance(params, dict) else params  # else: reported below
+    spec = SweepSpec(params=params, config=base,
                      set={str(k): v for k, v in fixed.items()}, description=str(data.get("description") or ""))
     for k in ("metric", "mode", "num_samples", "scheduler", "asha", "search", "resources", "max_concurrent_trials"):
         if data.get(k) is not None:
@@ -209,28 +234,10 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
             continue
         k, v = item.split("=", 1)
         spec.set[k.strip()] = v.strip()
-    _need(spec.metric in METRICS, problems, f"metric = {spec.metric!r}: must be one of {', '.join(METRICS)}")
-    _need(spec.mode in ("min", "max"), problems, f"mode = {spec.mode!r}: must be min or max")
-    _need(isinstance(spec.num_samples, int) and spec.num_samples >= 1, problems,
-          f"num_samples = {spec.num_samples!r}: must be an integer >= 1")
-    _need(spec.scheduler in SCHEDULERS, problems, f"scheduler = {spec.scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
-    _need(spec.search in SEARCHES, problems, f"search = {spec.search!r}: must be one of {', '.join(SEARCHES)}")
-    _need(spec.max_concurrent_trials is None or (isinstance(spec.max_concurrent_trials, int)
-                                                 and spec.max_concurrent_trials >= 1), problems,
-          f"max_concurrent_trials = {spec.max_concurrent_trials!r}: must be an integer >= 1 (or none: from the cluster)")
-    if not isinstance(spec.asha, dict) or set(spec.asha) - {"grace_period", "reduction_factor"}:
-        problems.append(f"asha = {spec.asha!r}: allowed keys are grace_period (outer steps >= 1), reduction_factor (> 1)")
-    else:
-        _need(int(spec.asha.get("grace_period", 1)) >= 1, problems,
-              f"asha.grace_period = {spec.asha.get('grace_period')!r}: must be >= 1 outer step")
-        _need(float(spec.asha.get("reduction_factor", 2)) > 1, problems,
-              f"asha.reduction_factor = {spec.asha.get('reduction_factor')!r}: must be > 1")
-    res = spec.resources
-    if not isinstance(res, dict) or set(res) - {"cpus_per_worker", "trial_cpus"}:
-        problems.append(f"resources = {res!r}: allowed keys are cpus_per_worker (> 0), trial_cpus (> 0)")
-    else:
-        for k, v in res.items():
-            _need(isinstance(v, (int, float)) and v > 0, problems, f"resources.{k} = {v!r}: must be > 0 CPUs")
+    _check_options(spec, problems)
+    if name is not None:
+        _need(bool(name) and set(name) <= NAME_CHARS and name not in (".", ".."), problems,
+              f"--name {name!r}: must be letters, digits, '.', '_' or '-' (it names a directory)")
     if problems:
         raise ConfigError(problems)
     # swept and fixed keys must be config fields with values of the right type (checked with
@@ -256,6 +263,37 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     return spec
 
 
+def _check_options(spec: SweepSpec, problems: list[str]) -> None:
+    """The sweep options' checks (not the parameters): one line each into ``problems``."""
+    _need(spec.metric in METRICS, problems, f"metric = {spec.metric!r}: must be one of {', '.join(METRICS)}")
+    _need(spec.mode in ("min", "max"), problems, f"mode = {spec.mode!r}: must be min or max")
+    _need(_integer(spec.num_samples) and 1 <= spec.num_samples <= MAX_GRID, problems,
+          f"num_samples = {spec.num_samples!r}: must be an integer in 1..{MAX_GRID}")
+    _need(spec.scheduler in SCHEDULERS, problems, f"scheduler = {spec.scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
+    _need(spec.search in SEARCHES, problems, f"search = {spec.search!r}: must be one of {', '.join(SEARCHES)}")
+    _need(spec.max_concurrent_trials is None or (_integer(spec.max_concurrent_trials)
+                                                 and spec.max_concurrent_trials >= 1), problems,
+          f"max_concurrent_trials = {spec.max_concurrent_trials!r}: must be an integer >= 1 (or none: from the cluster)")
+    if not isinstance(spec.asha, dict) or set(spec.asha) - {"grace_period", "reduction_factor"}:
+        problems.append(f"asha = {spec.asha!r}: allowed keys are grace_period (outer steps >= 1), reduction_factor (> 1)")
+    else:
+        g, rf = spec.asha.get("grace_period", 1), spec.asha.get("reduction_factor", 2)
+        _need(_integer(g) and g >= 1, problems, f"asha.grace_period = {g!r}: must be an integer >= 1 (outer steps)")
+        _need(_number(rf) and rf > 1, problems, f"asha.reduction_factor = {rf!r}: must be a number > 1")
+    res = spec.resources
+    if not isinstance(res, dict) or set(res) - {"cpus_per_worker", "trial_cpus"}:
+        problems.append(f"resources = {res!r}: allowed keys are cpus_per_worker (> 0), trial_cpus (> 0)")
+    else:
+        for k, v in res.items():
+            _need(_number(v) and v > 0, problems, f"resources.{k} = {v!r}: must be a finite number > 0 (CPUs)")
+    if not isinstance(spec.params, dict) or not spec.params:
+        problems.append(f"params = {spec.params!r}: must be a non-empty mapping of config fields to "
+                        f"{{grid|choice|uniform|loguniform|randint|geometric: ...}}")
+    else:
+        for key, p in spec.params.items():
+            _check_param(str(key), p, problems)
+
+
 def _absolute_paths(spec: SweepSpec) -> None:
     """Trials run in Tune's trial directories: relative paths in the config become absolute."""
     for key in ("data.path", "run.output_dir"):
@@ -275,14 +313,33 @@ def _absolute_paths(spec: SweepSpec) -> None:
 
 
 def load_spec(sweep_dir: str) -> SweepSpec:
-    """The resolved space saved in a sweep directory (``--resume``).
+    """The resolved space saved in a sweep directory (``--resume``), located where ``sweep_dir``
+    is now: a sweep directory that was moved or copied resumes in its new place.
 
     Raises:
-        ConfigError: ``sweep_dir`` holds no ``sweep.yaml``.
+        ConfigError: ``sweep_dir`` holds no ``sweep.yaml``, or one that is not valid.
     """
+    from .storage import is_uri, split_uri
+
+    where = f"--resume {sweep_dir}"
     text = read_text(join_uri(sweep_dir, SPEC_FILE))
     if text is None:
-        raise ConfigError([f"--resume {sweep_dir}: not a sweep directory (no {SPEC_FILE})"])
-    return SweepSpec(**yaml.safe_load(text))
-
-
+        raise ConfigError([f"{where}: not a sweep directory (no {SPEC_FILE})"])
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{where}: {SPEC_FILE} is not valid YAML ({str(e).splitlines()[0]})"]) from None
+    fields = SweepSpec.__dataclass_fields__
+    if not isinstance(data, dict) or "params" not in data or set(data) - set(fields):
+        raise ConfigError([f"{where}: {SPEC_FILE} is not a saved sweep (expected the keys {', '.join(fields)})"])
+    spec = SweepSpec(**data)
+    problems: list[str] = []
+    _check_options(spec, problems)
+    if problems:
+        raise ConfigError([f"{where}: {SPEC_FILE}: {line}" for line in problems])
+    if is_uri(sweep_dir):
+        spec.storage_path, spec.name = split_uri(sweep_dir)
+    else:
+        d = Path(sweep_dir).expanduser().resolve()
+        spec.storage_path, spec.name = str(d.parent), d.name
+    return spec

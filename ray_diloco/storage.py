@@ -69,6 +69,13 @@ def join_uri(storage_path: str, name: str) -> str:
     return base.rstrip("/") + "/" + name + sep + query
 
 
+def split_uri(uri: str) -> tuple[str, str]:
+    """The inverse of :func:`join_uri`: ``(storage_path, name)`` of ``storage_path/name[?query]``."""
+    base, sep, query = uri.partition("?")
+    parent, _, name = base.rstrip("/").rpartition("/")
+    return parent + sep + query, name
+
+
 def _put_file(fs: Any, local: Path, remote: str) -> None:
     fs.create_dir(posixpath.dirname(remote), recursive=True)
     with open(local, "rb") as src, fs.open_output_stream(remote) as dst:

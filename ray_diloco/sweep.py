@@ -53,7 +53,7 @@ import yaml
 from .config import load_config
 from .errors import ConfigError
 from .space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
-from .storage import join_uri, read_text, write_bytes, write_text
+from .storage import is_uri, join_uri, read_text, write_bytes, write_text
 from .trial import DilocoTrial
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
@@ -73,7 +73,10 @@ def _max_outer_steps(spec: SweepSpec) -> int:
     for combo in itertools.product(*values):
         cfg = spec.trial_config({**base, **dict(zip(keys, combo))}, validate=False)
         if cfg.run.tokens_per_parameter is not None:
-            cfg.run.steps = budget_steps(cfg, cfg.model.vocab_size or 2**18)
+            try:
+                cfg.run.steps = budget_steps(cfg, cfg.model.vocab_size or 2**18)
+            except ConfigError:  # an invalid trial fails on its own
+                continue
         most = max(most, cfg.num_outer_steps)
     return most
 
@@ -163,12 +166,8 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
 
     Raises:
         ConfigError: bad space or option. ClusterError: the cluster cannot host one trial.
+        CheckpointError: another ``ray-diloco tune`` process runs this sweep.
     """
-    import ray
-    from ray import tune as rt
-
-    from .cluster import init_ray
-
     if resume is not None:
         if space is not None:
             raise ConfigError([f"--space {space}: cannot be combined with --resume (the sweep's {SPEC_FILE} is used)"])
@@ -177,13 +176,38 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
         if space is None:
             raise ConfigError(["--space: required (a search-space YAML, for example tune_spaces/cpu_outer_lr.yaml)"])
         spec = load_space(space, overrides, name, storage_path, scheduler, search, num_samples, max_concurrent)
-        if read_text(join_uri(spec.sweep_dir, SPEC_FILE)) is not None:
-            raise ConfigError([f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
-                               f"--resume {spec.sweep_dir}, or choose another --name)"])
     cfg0 = load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()], validate=False)
+    if is_uri(spec.storage_path):
+        spec.staging_dir = str(Path(cfg0.run.output_dir).expanduser().resolve() / "sweep-staging" / spec.name)
     if address is not None:
         cfg0.run.address = address
+    lock = _lock(spec)  # a second tune of the same sweep (run or resume) is refused while this one runs
+    try:
+        return _run(spec, resume is not None, cfg0)
+    finally:
+        lock.close()
+
+
+def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
+    """:func:`tune` with the sweep's lock held."""
+    import logging
+
+    import ray
+    from ray import tune as rt
+
+    from .cluster import init_ray
+
+    if not resume and read_text(join_uri(spec.sweep_dir, SPEC_FILE)) is not None:
+        raise ConfigError([f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
+                           f"--resume {spec.sweep_dir}, or choose another --name)"])
+    restore = resume and rt.Tuner.can_restore(spec.sweep_dir)
+    if resume and not restore:
+        print(f"note: {spec.sweep_dir} holds no saved Tune state (the sweep stopped before its first trial "
+              "started): starting it from the beginning", file=sys.stderr)
     started = init_ray(cfg0)
+    controller = logging.getLogger("ray.tune.execution.tune_controller")
+    one_line = _OneLineTrialErrors()
+    controller.addFilter(one_line)
     if threading.current_thread() is threading.main_thread():  # SIGTERM (ray job stop) stops like Ctrl-C:
         signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # Tune saves its state
     try:
@@ -193,7 +217,7 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
         print(f"sweep directory: {spec.sweep_dir}", file=sys.stderr)
         run_cfg = rt.RunConfig(name=spec.name, storage_path=spec.storage_path, verbose=1,
                                failure_config=rt.FailureConfig(max_failures=0, fail_fast=False))
-        if resume is not None:
+        if restore:
             tuner = rt.Tuner.restore(spec.sweep_dir, trainable=_trainable(spec), resume_unfinished=True,
                                      resume_errored=False, restart_errored=False)
         else:
@@ -202,12 +226,44 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
                              tune_config=tune_cfg, run_config=run_cfg)
         grid = tuner.fit()
     finally:
+        controller.removeFilter(one_line)
         if started:
             ray.shutdown()
     rows = results_rows(spec, grid)
     best = write_results(spec, rows)
     interrupted = not _finished(rows)
     return {"sweep_dir": spec.sweep_dir, "rows": rows, "best": best, "interrupted": interrupted}
+
+
+def _lock(spec: SweepSpec) -> Any:
+    """The sweep's lock (:func:`~ray_diloco.checkpoint.lock_dir` on its local directory; with a
+    URI storage path, on this machine's staging directory).
+
+    Raises:
+        CheckpointError: another ``ray-diloco tune`` runs or resumes this sweep.
+        ConfigError: the local directory cannot be created.
+    """
+    from .checkpoint import lock_dir
+
+    d = spec.local_dir
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError([f"--storage-path {spec.storage_path}: cannot create {d} ({e.strerror or e})"]) from None
+    return lock_dir(d, f"sweep directory {spec.sweep_dir}")
+
+
+class _OneLineTrialErrors:
+    """A logging filter for Tune's controller: a trial that failed with our one-line reason
+    (:class:`~ray_diloco.trial.TrialError`) is logged as that line, not as Ray's traceback of the
+    actor that raised it (the results table and the summary name it again)."""
+
+    def filter(self, record: Any) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        line = _error_line(exc) if exc is not None and "TrialError" in str(exc) else None
+        if line is not None:
+            record.msg, record.args, record.exc_info, record.exc_text = f"{record.getMessage()}: {line}", (), None, None
+        return True
 
 
 def _error_line(err: BaseException | None) -> str | None:
@@ -245,7 +301,8 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
                                "status": status}
         row.update(params)
-        run_dir = m.get("run_dir")
+        here = spec.local_dir / "trials" / str(row["trial"])  # where it is now (the sweep may have been moved)
+        run_dir = str(here) if here.is_dir() else m.get("run_dir")
         summary = {}
         if run_dir and (Path(run_dir) / "summary.json").is_file():
             summary = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -343,8 +400,12 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
     swept = {k: best[k] for k in spec.params}
     cfg = spec.trial_config(swept, validate=False)
     cfg.run.name = None
-    write_text(join_uri(spec.sweep_dir, "best_config.yaml"), cfg.to_yaml())
+    stored = join_uri(spec.sweep_dir, "best_config.yaml")
+    write_text(stored, cfg.to_yaml())
+    local = spec.local_dir / "best_config.yaml"  # --config reads local files: a remote sweep keeps a copy here
+    if is_uri(spec.sweep_dir):
+        write_text(str(local), cfg.to_yaml())
     print(f"best trial {best['trial']}: {key} {best[key]:.4f} at outer step {best['outer_steps']} with "
           + " ".join(f"{k}={v}" for k, v in swept.items()))
-    print(f"best config: {spec.sweep_dir}/best_config.yaml (ray-diloco train --config {spec.sweep_dir}/best_config.yaml)")
+    print(f"best config: {stored} (ray-diloco train --config {local})")
     return best

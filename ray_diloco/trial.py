@@ -32,8 +32,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     from .storage import is_uri
 
     remote = is_uri(s.storage_path)
-    local_root = Path(s.set.get("run.output_dir") or Path.cwd()) / "sweep-staging" / s.name / "trials" if remote \
-        else Path(s.sweep_dir) / "trials"
+    local_root = s.local_dir / "trials"
     try:
         cfg = s.trial_config(params)
     except ConfigError as e:
@@ -55,10 +54,10 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
             resume = download_run(join_uri(cfg.run.storage_path, trial), local_root)
         except RayDilocoError:
             resume = None
-    if resume is None and run_dir.exists():  # restored sweep: continue this trial's run
-        if list_checkpoints(run_dir):
-            resume = run_dir
-        else:  # stopped before its first checkpoint: start it again
+    if resume is None and run_dir.exists():  # restored sweep: continue this trial's run (the sweep's lock
+        if (run_dir / "config.yaml").is_file():  # is held, so no other process uses it; without a checkpoint
+            resume = run_dir  # the resume starts it again from step 0)
+        elif not list_checkpoints(run_dir):  # it died before writing its config: nothing to keep
             shutil.rmtree(run_dir)
     return cfg, run_dir, resume, local_root
 

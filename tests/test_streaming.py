@@ -447,13 +447,39 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     from ray_diloco.checkpoint import latest_checkpoint
     from ray_diloco.trainer import prepare
 
-    over = tiny_overrides(tmp_path, run__name="ext", run__steps=14, diloco__H=8, run__eval_every=0,
+    over = tiny_overrides(tmp_path, run__name="ext", run__steps=16, diloco__H=8, run__eval_every=0,
                           run__checkpoint_every=0, streaming__fragments=2, streaming__overlap_steps=1,
                           streaming__quantization="int8", tracking__wandb=False)
     first = ray_diloco.train(over, corpus=corpus)
-    assert first["inner_steps"] == 14
-    more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=30"], corpus=corpus)
-    assert more["inner_steps"] == 30 and more["outer_steps"] == 4 and np.isfinite(more["final_eval_loss"])
+    assert first["inner_steps"] == 16
+    # fragment 1 (phase 4) last sent at 12 and merged at 13 < T, so it closed with a send at 16; its
+    # next regular send is at 20 in the extended schedule
+    more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=32"], corpus=corpus)
+    assert more["inner_steps"] == 32 and more["outer_steps"] == 4 and np.isfinite(more["final_eval_loss"])
     assert more["communication"]["bytes_up_per_replica"] > first["communication"]["bytes_up_per_replica"]
     step, _ = latest_checkpoint(first["run_dir"])
-    assert step == 4 and prepare(resume=first["run_dir"])[2]["counters"]["inner_step"] == 30
+    assert step == 4 and prepare(resume=first["run_dir"])[2]["counters"]["inner_step"] == 32
+
+
+def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp_path):
+    """Outer step k covers inner steps [(k-1)H, kH): a checkpoint at T = 14 with H = 8 cannot be
+    continued to 30 without skipping or re-keying steps 14-15, so --resume refuses it with one
+    line and leaves the run as it was; resuming it unchanged is still allowed."""
+    from ray_diloco.checkpoint import save_checkpoint
+    from ray_diloco.config import load_config
+    from ray_diloco.errors import ConfigError
+    from ray_diloco.trainer import prepare
+
+    cfg = load_config(tiny_overrides(tmp_path, run__name="odd", run__steps=14, diloco__H=8))
+    run_dir = tmp_path / "runs" / "odd"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    state = {"format": 1, "outer_step": 2, "config": cfg.to_dict(), "counters": {"inner_step": 14},
+             "outer": None, "workers": {}, "corpus_fingerprint": ""}
+    save_checkpoint(run_dir, 2, state, keep=1)
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    with pytest.raises(ConfigError, match=r"run.steps = 30: the checkpoint ends at inner step 14, part way through "
+                                          r"an outer step of diloco.H = 8 .* cannot be extended"):
+        prepare(resume=run_dir, overrides=["run.steps=30"])
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+    assert prepare(resume=run_dir)[2]["counters"]["inner_step"] == 14

@@ -41,12 +41,94 @@ def _space(tmp_path: Path, text: str) -> Path:
     ("params: {inner.lr: {normal: [0, 1]}}\n", "params.inner.lr = {'normal': [0, 1]}: expected one of"),
     ("params: {inner.lr: {grid: [1e-3]}}\nscheduler: hyperband\n", "scheduler = 'hyperband': must be one of fifo, asha"),
     ("params: {inner.lr: {grid: [1e-3]}}\nset: {run.stepz: 3}\n", "run.stepz: unknown config field"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nasha: {grace_period: x}\n", "asha.grace_period = 'x': must be an integer >= 1"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nasha: {grace_period: null}\n", "asha.grace_period = None: must be an integer"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nasha: {reduction_factor: [2]}\n", "asha.reduction_factor = [2]: must be a number > 1"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nnum_samples: true\n", "num_samples = True: must be an integer in 1..10000"),
+    ("params: {inner.lr: {uniform: [0, .inf]}}\n", "params.inner.lr.uniform = [0, inf]: must be [low, high], finite numbers"),
+    ("params: {run.steps: {geometric: {start: 2, factor: 2, count: 1.0e+7}}}\n",
+     "params.run.steps.geometric = {'start': 2, 'factor': 2, 'count': 10000000.0}: must be {start: > 0, factor: > 0, count: "
+     "integer in 1..10000} with every value finite"),
+    ("params: {inner.lr: {geometric: {start: 1.0e-3, factor: 10, count: 400}}}\n", "with every value finite"),
+    ("params: {inner.lr: {grid: [1e-3]}}\nresources: {cpus_per_worker: .inf}\n",
+     "resources.cpus_per_worker = inf: must be a finite number > 0"),
+    ("params: [inner.lr]\n", "params = ['inner.lr']: must be a non-empty mapping"),
 ])
 def test_bad_search_space_gives_one_line_naming_the_key(tmp_path, text, expected):
     with pytest.raises(ConfigError) as e:
         load_space(_space(tmp_path, text))
     assert len(e.value.lines()) == 1, e.value.lines()
     assert expected in e.value.lines()[0]
+
+
+def test_bad_name_space_path_and_saved_sweep_are_one_line(tmp_path):
+    """--name must be a plain directory name; --space a file; a sweep.yaml that is corrupt or
+    holds invalid options is refused on --resume with the field named."""
+    from ray_diloco.space import load_spec
+
+    ok = _space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n")
+    for name in ("../up", "a/b", ".", ""):
+        with pytest.raises(ConfigError, match=r"--name .*: must be letters, digits"):
+            load_space(ok, name=name, storage_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="is a directory; expected a search-space YAML file"):
+        load_space(tmp_path)
+    sweep = tmp_path / "sw"
+    sweep.mkdir()
+    for text, expected in [("params: [unclosed\n", "sweep.yaml is not valid YAML"),
+                           ("- 1\n", "sweep.yaml is not a saved sweep"),
+                           ("params: {outer.lr: {grid: [0.4]}}\nbogus: 1\n", "sweep.yaml is not a saved sweep"),
+                           ("params: {outer.lr: {grid: [0.4]}}\nasha: {grace_period: x}\n",
+                            "sweep.yaml: asha.grace_period = 'x': must be an integer >= 1")]:
+        (sweep / "sweep.yaml").write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_spec(str(sweep))
+        assert len(e.value.lines()) == 1 and expected in e.value.lines()[0], e.value.lines()
+
+
+def test_a_moved_sweep_resumes_where_it_is_now(tmp_path):
+    """--resume DIR locates the sweep by DIR, not by the storage path saved when it started
+    (a copied or moved sweep directory does not write back into the old place)."""
+    from ray_diloco.space import load_spec
+    from ray_diloco.storage import join_uri, split_uri
+
+    spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n"), name="first",
+                      storage_path=str(tmp_path / "old"))
+    new = tmp_path / "elsewhere" / "renamed"
+    new.mkdir(parents=True)
+    (new / "sweep.yaml").write_text(yaml.safe_dump(spec.to_dict()))
+    moved = load_spec(str(new))
+    assert moved.sweep_dir == str(new) and moved.local_dir == new and moved.params == spec.params
+    uri = "s3://bucket/sweeps/renamed?endpoint_override=localhost:9000"
+    assert split_uri(uri) == ("s3://bucket/sweeps?endpoint_override=localhost:9000", "renamed")
+    assert join_uri(*split_uri(uri)) == uri
+
+
+def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_state(tmp_path, small_text):
+    """A sweep directory another process holds is refused with one line (two resumes of one
+    sweep at once destroyed a trial's run directory). A sweep that stopped before Tune saved its
+    state (only sweep.yaml) resumes by starting over; a failing trial is one line, no traceback."""
+    from ray_diloco.checkpoint import lock_dir
+
+    spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [-1.0]}}\nresources: {cpus_per_worker: 0.4}\n"),
+                      [f"data.path={small_text}", *SMALL], name="sw", storage_path=str(tmp_path / "sweeps"))
+    sweep = Path(spec.sweep_dir)
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.yaml").write_text(yaml.safe_dump(spec.to_dict()))
+    held = lock_dir(sweep, "test")
+    try:
+        busy = run_cli(["tune", "--resume", str(sweep)], timeout=120)
+    finally:
+        held.close()
+    assert busy.returncode == 2 and busy.stderr.strip() == \
+        f"error: sweep directory {sweep}: in use by another ray-diloco process (pid {os.getpid()})"
+    again = run_cli(["tune", "--resume", str(sweep)], timeout=300)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert "holds no saved Tune state (the sweep stopped before its first trial started): starting it from the beginning" \
+        in again.stderr
+    assert "Traceback" not in again.stdout + again.stderr
+    assert "failed: config error: outer.lr = -1.0: must be a finite number > 0" in again.stdout
+    rows = pd.read_csv(sweep / "results.csv")
+    assert list(rows["status"]) == ["ERROR"]
 
 
 def test_papers_grids_and_trial_bundles():
@@ -79,18 +161,18 @@ def test_tune_cli_bad_input_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
+def _wait_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(poll)
 
 
 @pytest.mark.slow
 def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp_path, small_text):
     """The shipped CPU space (shrunk model, M=1) with one more, invalid, outer lr: 6 trials with
-    ASHA, 2 at a time. Interrupted (SIGINT) once one trial has finished and another is between
-    checkpoints, resumed with --resume while W&B is set online against a server that does not
+    ASHA, 3 at a time. Interrupted (SIGINT) once one trial has finished and another is in the
+    middle of its run, resumed with --resume while W&B is set online against a server that does not
     answer. Every valid trial ends, the 2 invalid ones fail with their one-line reason without
     stopping the sweep, the results table has 6 rows, the best config is printed and written,
     and each valid trial has offline W&B runs (written directly before the interruption, as the
@@ -98,20 +180,33 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     space = yaml.safe_load((ROOT / "tune_spaces" / "cpu_outer_lr.yaml").read_text())
     space["params"]["outer.lr"]["grid"].append(-1.0)
     space["set"]["diloco.replicas"] = 1
+    space["params"]["diloco.H"]["grid"] = [2, 5]  # 20 and 8 outer steps: a trial is mid-run long enough to interrupt
+    STEPS = 40
     path = _space(tmp_path, yaml.safe_dump(space))
     args = ["tune", "--space", str(path), "--name", "sw",
             "--storage-path", str(tmp_path / "sweeps"), "--set", f"data.path={small_text}",
             "--set", "tracking.wandb=true", "--set", "tracking.init_timeout_s=3",
-            *[x for s in SMALL for x in ("--set", s)]]
+            *[x for s in SMALL for x in ("--set", s)], "--set", f"run.steps={STEPS}"]
     sweep = tmp_path / "sweeps" / "sw"
     env = dict(os.environ, WANDB_MODE="offline")
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args], cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # interrupt while one trial has finished and another is between checkpoints
-        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")) and any(
-            (d / "checkpoints").is_dir() and not (d / "summary.json").exists() for d in sweep.glob("trials/*")),
-            300, "a finished trial and a running one")
+        # interrupt once a trial has finished and another is live with at least three outer steps to
+        # go: it has a row that is not an ASHA rung (ASHA stops trials only right after a rung row),
+        # and the interruption lets it finish at most the outer step it is in and the next
+        asha = space["asha"]
+        rungs = {asha["grace_period"] * asha["reduction_factor"] ** k for k in range(8)}
+
+        def mid_run(d: Path) -> bool:
+            if (d / "summary.json").exists() or not (d / "metrics.jsonl").is_file():
+                return False
+            done = sum(1 for line in (d / "metrics.jsonl").read_text().splitlines() if '"outer_step"' in line)
+            total = STEPS // yaml.safe_load((d / "config.yaml").read_text())["diloco"]["H"]
+            return done >= 1 and done not in rungs and done + 2 < total
+
+        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")) and any(map(mid_run, sweep.glob("trials/*"))),
+                  300, "a finished trial and one in the middle of its run", poll=0.05)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -132,7 +227,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     assert set(bad["error"]) == {"config error: outer.lr = -1.0: must be a finite number > 0"}
     assert "failed: config error: outer.lr = -1.0: must be a finite number > 0" in resumed.stdout + out
     assert set(df["status"]) <= {"TERMINATED", "STOPPED"}, df[["trial", "status"]]
-    assert sorted(zip(df["outer.lr"], df["diloco.H"])) == [(0.4, 5), (0.4, 10), (0.8, 5), (0.8, 10)]
+    assert sorted(zip(df["outer.lr"], df["diloco.H"])) == [(0.4, 2), (0.4, 5), (0.8, 2), (0.8, 5)]
     assert (df["status"] == "TERMINATED").sum() >= 2  # ASHA keeps at least the best of each rung going
     for col in ("num_parameters", "replicas", "H", "inner_lr", "outer_lr", "global_batch", "tokens",
                 "final_eval_loss", "best_eval_loss", "bytes_sent"):
