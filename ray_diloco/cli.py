@@ -1,4 +1,4 @@
-"""The ``ray-diloco`` command: train, tune, eval, generate, config, plan, scale.
+"""The ``ray-diloco`` command: train, tune, eval, generate, config, plan, scale, fit, predict, simulate.
 
 Errors in input, data, checkpoints or cluster size print one line each (``error: ...``) and
 exit with status 2, without a traceback.
@@ -53,6 +53,49 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--from-step", type=int, default=0, help="list the syncs after this inner step (default 0)")
     pl.add_argument("--next", type=int, default=3, dest="upcoming", help="sync steps listed per fragment (default 3)")
     pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
+    pl.add_argument("--chips", type=int, default=None,
+                    help="accelerators per replica: adds the predicted wall-clock (simulator of ray-diloco simulate)")
+    pl.add_argument("--tflops", type=float, default=300.0, help="peak TFLOP/s per chip (default 300)")
+    pl.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6)")
+    pl.add_argument("--bandwidth-gbps", type=float, default=None,
+                    help="link between replicas (default: network.bandwidth_gbps, else the bandwidth per target)")
+    pl.add_argument("--latency-ms", type=float, default=None, help="latency per message (default: network.latency_ms)")
+
+    fi = sub.add_parser("fit", help="scaling laws from a sweep: power laws, joint forms, optimal lr/batch/outer lr, plots")
+    fi.add_argument("table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet")
+    fi.add_argument("--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)")
+    fi.add_argument("--json", default=None, metavar="PATH", help="also write the fits as JSON here")
+    fi.add_argument("--starts", type=int, default=32, help="random starts of each parametric-form fit (default 32)")
+    fi.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+    pr = sub.add_parser("predict", help="predicted loss, inner lr, global batch and outer lr of a bigger model")
+    pr.add_argument("--params", type=float, required=True, help="parameters N of the model, e.g. 4e9")
+    pr.add_argument("--replicas", type=int, required=True, help="M (0: data-parallel)")
+    pr.add_argument("--H", type=int, default=None, help="sync interval, for the outer lr (default: the largest fitted)")
+    pr.add_argument("--fits", default="paper", metavar="FITS|SWEEP_DIR|TABLE",
+                    help="fits.json from ray-diloco fit, a sweep directory or a table (fitted now), or 'paper' "
+                         "(the published Scaling Laws for DiLoCo fits; default)")
+    pr.add_argument("--json", default=None, metavar="PATH", help="also write the prediction as JSON")
+
+    si = sub.add_parser("simulate", help="compute utilisation vs bandwidth of DP, DiLoCo and Streaming DiLoCo")
+    si.add_argument("--paper-table", action="store_true",
+                    help="the papers' configurations (1B/10B/100B, five methods) beside the published bandwidths")
+    si.add_argument("--params", type=float, default=1e9, help="parameters N (default 1e9)")
+    si.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
+    si.add_argument("--step-s", type=float, default=None,
+                    help="seconds of compute per step (default: from 6 N x tokens FLOPs, --chips, --tflops, --mfu)")
+    si.add_argument("--tokens-per-step", type=float, default=2**20, help="global batch in tokens (default 2^20)")
+    si.add_argument("--chips", type=int, default=64, help="accelerators per replica (default 64)")
+    si.add_argument("--tflops", type=float, default=300.0, help="peak TFLOP/s per chip (default 300)")
+    si.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6)")
+    si.add_argument("--H", type=int, default=100, help="inner steps between syncs of a fragment (default 100)")
+    si.add_argument("--tau", type=int, default=1, help="overlap in inner steps for the +overlap methods (default 1)")
+    si.add_argument("--layers-per-fragment", type=int, default=3, help="blocks per fragment (default 3)")
+    si.add_argument("--latency-ms", type=float, default=0.0, help="latency per message (default 0)")
+    si.add_argument("--target", type=float, action="append", default=None,
+                    help="compute utilisation to reach, repeatable (default 0.5 0.8 0.9 0.95 0.99)")
+    si.add_argument("--plot", default=None, metavar="PNG", help="also plot utilisation vs bandwidth")
+    si.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
 
     tu = sub.add_parser("tune", help="a Ray Tune sweep: every trial is a full run with its own replicas")
     tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in README)")
@@ -124,11 +167,137 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         raise RayDilocoError(f"plan: give the config once (CONFIG {a.config_file!r} or --config {a.config!r})")
     if a.from_step < 0 or a.upcoming < 0:
         raise RayDilocoError(f"--from-step = {a.from_step}, --next = {a.upcoming}: must be >= 0")
-    p = sync_plan(load_config(a.config_file or a.config, a.overrides), a.from_step, a.upcoming)
+    cfg = load_config(a.config_file or a.config, a.overrides)
+    p = sync_plan(cfg, a.from_step, a.upcoming)
     print(format_plan(p))
+    if a.chips is not None:
+        from .plan import format_wall_clock, wall_clock_plan
+
+        if a.chips < 1 or not (a.tflops > 0 and math.isfinite(a.tflops)) or not 0 < a.mfu <= 1:
+            raise RayDilocoError(f"--chips = {a.chips}, --tflops = {a.tflops}, --mfu = {a.mfu}: need chips >= 1, "
+                                 "tflops > 0, 0 < mfu <= 1")
+        for name, v in (("--bandwidth-gbps", a.bandwidth_gbps), ("--latency-ms", a.latency_ms)):
+            if v is not None and not (math.isfinite(v) and v >= (0 if name == "--latency-ms" else 1e-9)):
+                raise RayDilocoError(f"{name} = {v}: must be a finite number {'>= 0' if 'lat' in name else '> 0'}")
+        p["wall_clock"] = wall_clock_plan(cfg, p, a.chips, a.tflops, a.mfu, a.bandwidth_gbps, a.latency_ms)
+        print()
+        print(format_wall_clock(p["wall_clock"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(p, f, indent=2)
+    return 0
+
+
+def _write_json(path: str, obj: object) -> None:
+    import json
+
+    from .storage import write_text
+
+    write_text(path, json.dumps(obj, indent=2, default=float) + "\n")
+
+
+def _cmd_fit(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .laws import fit_all, format_fits, load_table
+
+    if a.starts < 1:
+        raise RayDilocoError(f"--starts = {a.starts}: must be >= 1")
+    df = load_table(a.table)
+    fits = fit_all(df, starts=a.starts)
+    print(format_fits(fits))
+    src = Path(a.table).expanduser()
+    out = Path(a.out).expanduser() if a.out else (src if src.is_dir() else src.parent)
+    _write_json(str(out / "fits.json"), fits)
+    print(f"\nfits: {out / 'fits.json'} (ray-diloco predict --fits {out / 'fits.json'} --params N --replicas M)")
+    if a.json:
+        _write_json(a.json, fits)
+    if not a.no_plots:
+        from .plots import plot_fits
+
+        for p in plot_fits(fits, out):
+            print(f"plot: {p}")
+    return 0
+
+
+def _cmd_predict(a: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from .laws import fit_all, format_prediction, load_table, paper_fits, predict
+
+    if not (math.isfinite(a.params) and a.params > 0):
+        raise RayDilocoError(f"--params = {a.params}: must be a finite number of parameters > 0")
+    if a.replicas < 0:
+        raise RayDilocoError(f"--replicas = {a.replicas}: must be >= 0 (0: data-parallel)")
+    if a.H is not None and a.H < 1:
+        raise RayDilocoError(f"--H = {a.H}: must be >= 1")
+    src = Path(a.fits).expanduser()
+    if a.fits == "paper":
+        fits, origin = paper_fits(), "the published Scaling Laws for DiLoCo fits"
+    elif src.is_file() and src.suffix == ".json":
+        try:
+            fits = json.loads(src.read_text())
+        except ValueError as e:
+            raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({e})") from None
+        origin = str(src)
+    elif src.is_dir() and (src / "fits.json").is_file():
+        fits, origin = json.loads((src / "fits.json").read_text()), str(src / "fits.json")
+    else:
+        fits, origin = fit_all(load_table(a.fits)), f"fits of {a.fits}"
+    p = predict(fits, a.params, a.replicas, a.H)
+    p["fits"] = origin
+    print(format_prediction(p))
+    print(f"  (from {origin})")
+    if a.json:
+        _write_json(a.json, p)
+    return 0
+
+
+def _cmd_simulate(a: argparse.Namespace) -> int:
+    from .simulate import (METHODS, TARGETS, Method, ModelSpec, bandwidth_table, format_bandwidth_table, paper_rows,
+                           step_time_s)
+
+    targets = tuple(a.target or TARGETS)
+    for t in targets:
+        if not 0 < t < 1:
+            raise RayDilocoError(f"--target = {t}: must be a utilisation in (0, 1), for example 0.95")
+    if a.paper_table:
+        rows = paper_rows()
+        print("Gbit/s needed per compute-utilisation target: ours (the paper's); tables: Streaming DiLoCo Table 4 "
+              "(H=100) and Scaling Laws for DiLoCo Table 6 (10B)")
+        for table in ("streaming-4", "scaling-6"):
+            part = [r for r in rows if r["table"] == table]
+            off = [abs(r["steps_off"]) for r in part if r["steps_off"] is not None]
+            print(f"\n{table}: {sum(o == 0 for o in off)}/{len(part)} cells exact, "
+                  f"{sum(o <= 1 for o in off)}/{len(part)} within one grid step, worst {max(off)} steps")
+            print(format_bandwidth_table(part, with_paper=True))
+        if a.json:
+            _write_json(a.json, [{"model": r["model"], "method": r["method"], "H": r["H"], "target": r["target"],
+                                  "gbps": r["gbps"], "paper_gbps": r["paper_gbps"], "table": r["table"]} for r in rows])
+        return 0
+    for name, v in (("--params", a.params), ("--tokens-per-step", a.tokens_per_step), ("--tflops", a.tflops)):
+        if not (math.isfinite(v) and v > 0):
+            raise RayDilocoError(f"{name} = {v}: must be a finite number > 0")
+    if not 0 < a.mfu <= 1:
+        raise RayDilocoError(f"--mfu = {a.mfu}: must be in (0, 1]")
+    if a.layers < 1 or a.chips < 1 or a.latency_ms < 0 or (a.step_s is not None and not a.step_s > 0):
+        raise RayDilocoError(f"--layers = {a.layers}, --chips = {a.chips}, --latency-ms = {a.latency_ms}, "
+                             f"--step-s = {a.step_s}: need layers >= 1, chips >= 1, latency >= 0, step > 0")
+    step = a.step_s if a.step_s is not None else step_time_s(a.params, a.tokens_per_step, a.chips, a.tflops, a.mfu)
+    model = ModelSpec(f"{a.params:.3g}", a.params, a.layers, step)
+    methods = [Method(k, H=a.H, tau=a.tau, layers_per_fragment=a.layers_per_fragment) for k in METHODS]
+    rows = bandwidth_table(model, methods, targets, a.latency_ms / 1000)
+    print(f"N = {a.params:.4g} parameters, {a.layers} layers, {step:.4g} s of compute per step; H = {a.H}, "
+          f"tau = {a.tau}, {a.layers_per_fragment} layers per fragment; Gbit/s needed per utilisation target")
+    print(format_bandwidth_table(rows))
+    if a.json:
+        _write_json(a.json, rows)
+    if a.plot:
+        from .plots import plot_utilisation
+
+        print(f"plot: {plot_utilisation(model, methods, a.plot, a.latency_ms / 1000)}")
     return 0
 
 
@@ -168,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
-                "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune}
+                "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune, "fit": _cmd_fit, "predict": _cmd_predict,
+                "simulate": _cmd_simulate}
     try:
         return handlers[a.command](a)
     except RayDilocoError as e:

@@ -131,4 +131,54 @@ def format_plan(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_plan", "plan_vocab_size", "sync_plan"]
+def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, mfu: float,
+                    bandwidth_gbps: float | None = None, latency_ms: float | None = None) -> dict[str, Any]:
+    """The run's predicted wall-clock from the compute-utilisation simulator
+    (:mod:`ray_diloco.simulate`): step time from 6 x N x (global batch x seq len) FLOPs on
+    ``chips`` chips per replica at ``tflops`` x ``mfu``; the run's own method (DP, DiLoCo H, or
+    its fragments, tau and wire format). With a bandwidth (the argument, else
+    ``network.bandwidth_gbps``) it returns the time; without, the bandwidth per target.
+
+    Returns a dict with ``step_s``, ``method``, ``bits_per_value`` and either ``bandwidth_gbps``,
+    ``utilisation``, ``compute_s``, ``total_s`` or ``required_gbps`` (target -> Gbit/s)."""
+    from .simulate import TARGETS, Method, ModelSpec, Network, required_bandwidth, step_time_s, wall_clock
+
+    tokens = cfg.inner.global_batch * cfg.data.seq_len
+    step = step_time_s(p["params"], tokens, chips, tflops, mfu)
+    model = ModelSpec(f"{p['params']:.3g}", p["params"], resolve_model_shape(cfg.model, 1)["n_layers"], step)
+    largest = max(p["rows"], key=lambda r: r["params"])
+    bits = 8 * largest["bytes_up_per_sync"] / largest["params"]
+    if cfg.algorithm == "dp":
+        method = Method("dp", bits=16.0)  # DP reduces bf16 gradients
+    elif p["fragments"] == 1 and p["overlap_steps"] == 0:
+        method = Method("diloco", H=p["H"], bits=bits)
+    else:
+        method = Method("streaming_overlap" if p["overlap_steps"] else "streaming", H=p["H"], tau=p["overlap_steps"],
+                        bits=bits, fragments=p["fragments"])
+    latency = (latency_ms if latency_ms is not None else cfg.network.latency_ms) / 1000
+    replicas = max(2, cfg.diloco.replicas)
+    out: dict[str, Any] = {"step_s": step, "tokens_per_step": tokens, "chips_per_replica": chips, "method": method.kind,
+                           "bits_per_value": method.wire_bits, "latency_s": latency, "steps": p["steps"]}
+    bw = bandwidth_gbps if bandwidth_gbps is not None else cfg.network.bandwidth_gbps
+    if bw is not None:
+        out.update({"bandwidth_gbps": bw, **wall_clock(model, method, Network(bw, latency, replicas), p["steps"])})
+    else:
+        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas) for t in TARGETS}
+    return out
+
+
+def format_wall_clock(w: dict[str, Any]) -> str:
+    """:func:`wall_clock_plan` as lines."""
+    head = (f"simulated: {w['method']}, {w['bits_per_value']:.3g} bits per value on the wire, {w['step_s']:.4g} s of "
+            f"compute per step ({w['tokens_per_step']:,} tokens on {w['chips_per_replica']} chip(s) per replica)")
+    if "total_s" in w:
+        return "\n".join([head, f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "
+                                 f"{w['total_s'] / 3600:.3g} h for {w['steps']:,} steps "
+                                 f"({w['compute_s'] / 3600:.3g} h compute + {w['exposed_comm_s'] / 3600:.3g} h exposed "
+                                 "communication)"])
+    need = ", ".join(f"{float(t):.0%}: {'-' if v is None else f'{v:.1f}'}" for t, v in w["required_gbps"].items())
+    return "\n".join([head, f"Gbit/s needed per compute utilisation: {need} "
+                             "(give --bandwidth-gbps for the wall-clock)"])
+
+
+__all__ = ["format_plan", "format_wall_clock", "plan_vocab_size", "sync_plan", "wall_clock_plan"]

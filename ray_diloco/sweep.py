@@ -323,6 +323,7 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
             "bytes_sent": m.get("bytes_sent"),
             "bytes_received": m.get("bytes_received"),
             "run_dir": run_dir,
+            "wandb_warning": m.get("wandb_warning"),
             "error": _error_line(r.error),
         })
         rows.append(row)
@@ -392,6 +393,10 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
         if r["error"]:
             swept = " ".join(f"{k}={r[k]}" for k in spec.params)
             print(f"trial {r['trial']} ({swept}) failed: {r['error']}")
+    warned = [r for r in rows if r.get("wandb_warning")]
+    if warned:  # the trials print it too, but a trial's last log lines can miss a driver that exits
+        print(f"warning: trial {warned[0]['trial']}: {warned[0]['wandb_warning']}"
+              + (f"; {len(warned) - 1} more trial(s) likewise (results column wandb_warning)" if len(warned) > 1 else ""))
     print(f"results: {spec.sweep_dir}/results.csv")
     if best is None:
         if _finished(rows):  # not when interrupted

@@ -55,6 +55,7 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self._file = open(self.metrics_path, "a", buffering=1)
         self.wandb_run = None
+        self.wandb_warning: str | None = None  # why W&B is offline or off when it was asked to be online
         self._events: list[list[Any]] = []  # membership events so far (W&B table rows)
         self._start_wandb()
         self.bar = None
@@ -80,12 +81,14 @@ class Tracker:
 
                     wandb.teardown()  # the failed online run still holds the run id in this process
                     self.wandb_run = self._init_wandb("offline")
-                    print(f"warning: W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
-                          "(upload later with `wandb sync`)", file=sys.stderr)
+                    self.wandb_warning = (f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
+                                          "(upload later with `wandb sync`)")
+                    print(f"warning: {self.wandb_warning}", file=sys.stderr)
                     return
                 except Exception as e2:
                     why = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
-            print(f"warning: W&B disabled for this run ({why})", file=sys.stderr)
+            self.wandb_warning = f"W&B disabled for this run ({why})"
+            print(f"warning: {self.wandb_warning}", file=sys.stderr)
 
     def _init_wandb(self, mode: str) -> Any:
         t = self.cfg.tracking

@@ -540,7 +540,7 @@ class Trainer:
             if saved and self.mirror is not None:  # after the row: the stored metrics reach the checkpoint
                 self.mirror.sync()
             if self.on_outer_step is not None:
-                self.on_outer_step(row)
+                self.on_outer_step({**row, "wandb_warning": tracker.wandb_warning} if tracker.wandb_warning else row)
             tracker.progress(row["inner_step"] - outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)[0],
                              outer=f"{k}/{last}", loss=f"{row['train_loss']:.3f}",
                              eval=None if self.state.last_eval is None else f"{self.state.last_eval:.3f}",
@@ -673,7 +673,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         address: Ray address ("auto" to join a running cluster); default: start a local one.
         model_fn: ``(shape: dict, vocab_size: int) -> nn.Module`` to train instead of the presets.
         corpus: a pre-tokenised :class:`~ray_diloco.data.Corpus` instead of ``config.data``.
-        on_outer_step: called with each outer step's metrics row (a dict, as in ``metrics.jsonl``)
+        on_outer_step: called with each outer step's metrics row (a dict, as in ``metrics.jsonl``, plus
+            ``wandb_warning`` when W&B fell back to offline or off)
             after its evaluation and checkpoint; Ray Tune trials report through it.
 
     Raises:

@@ -129,7 +129,7 @@ class DilocoTrial(Trainable):
                 "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": self._best,
                 "train_loss": row["train_loss"], "tokens": row["tokens"],
                 "bytes_sent": row["bytes_sent_total"], "bytes_received": row["bytes_received_total"],
-                "run_dir": str(self._run_dir)}
+                "run_dir": str(self._run_dir), "wandb_warning": row.get("wandb_warning")}
 
     def _on_outer_step(self, row: dict[str, Any]) -> None:
         """In the training thread: hand the row to :meth:`step`, then wait until Tune asks for the

@@ -219,7 +219,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     broken_wandb = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
     resumed = run_cli(["tune", "--resume", str(sweep)], env=broken_wandb, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "W&B unreachable" in resumed.stdout + resumed.stderr
+    assert "W&B unreachable" in resumed.stdout  # the driver's summary (a trial's own last lines can miss it)
     everything = pd.read_csv(sweep / "results.csv")
     assert len(everything) == len(pd.read_parquet(sweep / "results.parquet")) == 6
     bad, df = everything[everything["outer.lr"] < 0], everything[everything["outer.lr"] > 0]
@@ -227,6 +227,8 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     assert set(bad["error"]) == {"config error: outer.lr = -1.0: must be a finite number > 0"}
     assert "failed: config error: outer.lr = -1.0: must be a finite number > 0" in resumed.stdout + out
     assert set(df["status"]) <= {"TERMINATED", "STOPPED"}, df[["trial", "status"]]
+    # every trial that started after the resume fell back to offline logging, and says so
+    assert df["wandb_warning"].notna().any() and df["wandb_warning"].dropna().str.startswith("W&B unreachable").all()
     assert sorted(zip(df["outer.lr"], df["diloco.H"])) == [(0.4, 2), (0.4, 5), (0.8, 2), (0.8, 5)]
     assert (df["status"] == "TERMINATED").sum() >= 2  # ASHA keeps at least the best of each rung going
     for col in ("num_parameters", "replicas", "H", "inner_lr", "outer_lr", "global_batch", "tokens",

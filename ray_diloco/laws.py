@@ -1,0 +1,478 @@
+"""Scaling laws for DiLoCo (Charles et al., "Scaling Laws for DiLoCo", sections 3-5; algorithms.md
+section 3): fits on a sweep's results, model selection, and predictions for a bigger model.
+
+Every fit uses scipy; nothing here is a hand-written optimiser:
+
+- independent power laws ``y = A * N^alpha`` per algorithm (DP, M = 1, 2, 4, 8 ...) for the eval
+  loss, the optimal inner learning rate and the optimal global batch: least squares in log-log
+  space (``scipy.stats.linregress``);
+- the optimal batch per N: a quadratic in ``log2 B`` through the best loss at each batch
+  (``scipy.optimize.curve_fit``), its minimum, then the power law through those minima;
+- joint laws ``y = A * N^alpha * M^beta`` over the DiLoCo rows (``scipy.linalg.lstsq`` in log space);
+- the parametric loss forms of :data:`FORMS`, fitted with a Huber loss on log L by L-BFGS
+  (``scipy.optimize.minimize``) from many random starts, and compared by leave-one-size-out
+  residuals;
+- the best outer learning rate per (M, H).
+
+A sweep table has one row per run with the columns of :data:`COLUMNS` (``ray-diloco tune``
+writes them; other names are accepted through :data:`ALIASES`). ``M`` is 0 for data-parallel
+rows (``dp`` is accepted).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import DataError
+
+COLUMNS = ("N", "M", "H", "inner_lr", "outer_lr", "global_batch", "tokens", "eval_loss")
+ALIASES = {"num_parameters": "N", "params": "N", "n": "N", "replicas": "M", "m": "M", "h": "H",
+           "final_eval_loss": "eval_loss", "loss": "eval_loss", "batch": "global_batch", "lr": "inner_lr"}
+HUBER_DELTA = 1e-3  # on log L (Hoffmann et al.'s choice, kept by the DiLoCo scaling-law paper)
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """``y = A * N^alpha`` (N in parameters); ``r2`` of the log-log fit."""
+
+    A: float
+    alpha: float
+    r2: float = float("nan")
+
+    def __call__(self, n: Any) -> Any:
+        return self.A * np.asarray(n, dtype=float) ** self.alpha
+
+    def to_dict(self) -> dict[str, float]:
+        return {"A": self.A, "alpha": self.alpha, "r2": self.r2}
+
+
+@dataclass(frozen=True)
+class JointLaw:
+    """``y = A * N^alpha * M^beta`` over DiLoCo rows (M >= 1)."""
+
+    A: float
+    alpha: float
+    beta: float
+
+    def __call__(self, n: Any, m: Any) -> Any:
+        return self.A * np.asarray(n, dtype=float) ** self.alpha * np.asarray(m, dtype=float) ** self.beta
+
+    def to_dict(self) -> dict[str, float]:
+        return {"A": self.A, "alpha": self.alpha, "beta": self.beta}
+
+
+# -- the paper's published numbers (algorithms.md section 3) --------------------------------------
+PAPER_SIZES = {"35M": 35e6, "90M": 90e6, "180M": 180e6, "335M": 335e6, "550M": 550e6, "1.3B": 1.3e9, "2.4B": 2.4e9}
+PAPER_LOSSES = {  # Scaling Laws for DiLoCo Table 4: C4 eval loss per model size; 0 = DP
+    0: (3.485, 3.167, 2.950, 2.784, 2.653, 2.460, 2.326),
+    1: (3.482, 3.162, 2.943, 2.777, 2.645, 2.451, 2.317),
+    2: (3.508, 3.182, 2.957, 2.788, 2.657, 2.464, 2.323),
+    4: (3.554, 3.213, 2.981, 2.808, 2.673, 2.472, 2.332),
+    8: (3.621, 3.265, 3.019, 2.841, 2.698, 2.493, 2.351),
+}
+PAPER_INDEPENDENT = {  # published independent laws (A, alpha): loss, inner lr, batch (in 2048-token sequences)
+    "DP": {"loss": (18.129, -0.0953), "inner_lr": (16319.2, -0.819), "batch": (0.22592, 0.281)},
+    "M=1": {"loss": (18.363, -0.0961), "inner_lr": (74620.6, -0.945), "batch": (0.01361, 0.435)},
+    "M=2": {"loss": (18.768, -0.0969), "inner_lr": (3978.82, -0.780), "batch": (0.00769, 0.479)},
+    "M=4": {"loss": (19.762, -0.0992), "inner_lr": (4512.99, -0.789), "batch": (0.00535, 0.510)},
+    "M=8": {"loss": (21.051, -0.1018), "inner_lr": (618986, -1.102), "batch": (0.01859, 0.455)},
+}
+PAPER_JOINT = {"loss": (19.226, -0.0985, 0.0116), "inner_lr": (22256, -0.8827, 0.2929), "batch": (0.00709, 0.4695, 0.3399)}
+PAPER_FORM_RESIDUALS = {"A*N^alpha*M^beta": 0.0044, "A*N^alpha*M^beta+C": 0.0035, "A*N^(alpha+beta*M)+C": 0.0025,
+                        "A*N^alpha+B*M^beta+C": 0.0043}  # 2.4B held out
+
+
+def paper_table() -> Any:
+    """The published eval losses (:data:`PAPER_LOSSES`) as a sweep table: one row per (M, N)
+    (inner lr, batch, H and outer lr are not published per run: NaN, H = 30)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"N": n, "M": m, "H": 30, "inner_lr": np.nan, "outer_lr": np.nan, "global_batch": np.nan,
+                          "tokens": 20 * n, "eval_loss": loss}
+                         for m, losses in PAPER_LOSSES.items() for n, loss in zip(PAPER_SIZES.values(), losses)])
+
+
+@functools.lru_cache(maxsize=4)
+def paper_fits(starts: int = 8) -> dict[str, Any]:
+    """Fits in the format of :func:`fit_all` for ``ray-diloco predict --fits paper``: the loss laws
+    and parametric forms fitted here on the published losses, the inner-lr and batch laws as
+    published (batch in 2048-token sequences). No outer lr (the paper gives no per-(M, H) table)."""
+    df = paper_table()
+    best = df.assign(optimal_batch=np.nan)
+    out: dict[str, Any] = {"sizes": sorted(PAPER_SIZES.values()), "replicas": sorted(PAPER_LOSSES),
+                           "independent": {}, "outer_lr": [], "best_rows": best.to_dict(orient="records"),
+                           "source": "Scaling Laws for DiLoCo (published losses; published inner lr and batch laws)"}
+    for m, g in df.groupby("M"):
+        name = algorithm_name(m)
+        loss = fit_power_law(g["N"], g["eval_loss"]).to_dict()
+        out["independent"][name] = {"loss": loss, **{q: {"A": a, "alpha": al, "r2": float("nan")}
+                                                     for q, (a, al) in PAPER_INDEPENDENT[name].items() if q != "loss"}}
+    diloco = df[df["M"] >= 1]
+    out["joint"] = {"loss": fit_joint(diloco["N"], diloco["M"], diloco["eval_loss"]).to_dict(),
+                    **{q: dict(zip(("A", "alpha", "beta"), v)) for q, v in PAPER_JOINT.items() if q != "loss"}}
+    out["forms"] = {}
+    for name in FORMS:
+        fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
+        loo = leave_one_size_out(diloco, name, starts=starts)
+        out["forms"][name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta), "objective": fit.objective,
+                              "residual_by_N": {str(k): v for k, v in loo.items()},
+                              "residual": float(np.mean(list(loo.values())))}
+    out["best_form"] = min(out["forms"], key=lambda k: out["forms"][k]["residual"])
+    return out
+
+
+# -- input ------------------------------------------------------------------------------------
+def load_table(path: str | Path) -> Any:
+    """A sweep's results as a DataFrame with :data:`COLUMNS` (extra columns kept).
+
+    ``path`` is a sweep directory (its ``results.parquet`` or ``results.csv``), a ``.csv`` or a
+    ``.parquet`` file. Rows without a finite eval loss (failed or unfinished trials) are dropped.
+
+    Raises:
+        DataError: missing file, unreadable table, a missing column, no usable row.
+    """
+    import pandas as pd
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        found = [p / n for n in ("results.parquet", "results.csv") if (p / n).is_file()]
+        if not found:
+            raise DataError(f"{path}: not a sweep directory (no results.parquet or results.csv)")
+        p = found[0]
+    if not p.is_file():
+        raise DataError(f"{path}: file not found (give a sweep directory, a .csv or a .parquet)")
+    try:
+        df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
+    except Exception as e:  # noqa: BLE001 - any reader failure is a bad input file
+        raise DataError(f"{p}: cannot be read as a table ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    df = df.rename(columns={c: ALIASES[c.lower()] for c in df.columns if c.lower() in ALIASES and
+                            ALIASES[c.lower()] not in df.columns})
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise DataError(f"{p}: missing column(s) {', '.join(missing)} (needed: {', '.join(COLUMNS)})")
+    if "status" in df.columns:
+        df = df[df["status"].isin(["TERMINATED"]) | df["status"].isna()]
+    df = df.copy()
+    df["M"] = df["M"].map(lambda v: 0 if str(v).strip().lower() in ("dp", "0", "0.0") else v)
+    for c in COLUMNS:
+        df[c] = pd.to_numeric(df[c], errors="coerce")
+    df = df[np.isfinite(df["eval_loss"]) & np.isfinite(df["N"]) & (df["N"] > 0) & np.isfinite(df["M"])]
+    if df.empty:
+        raise DataError(f"{p}: no finished run with a finite eval loss")
+    df["M"] = df["M"].astype(int)
+    return df.reset_index(drop=True)
+
+
+def algorithm_name(m: int) -> str:
+    """``"DP"`` for M = 0, else ``"M=m"``."""
+    return "DP" if int(m) == 0 else f"M={int(m)}"
+
+
+# -- one-dimensional fits ------------------------------------------------------------------------
+def fit_power_law(n: Any, y: Any) -> PowerLaw:
+    """Least squares in log-log space (``scipy.stats.linregress``).
+
+    Raises:
+        DataError: fewer than two distinct N, or a value <= 0.
+    """
+    from scipy import stats
+
+    n, y = np.asarray(n, dtype=float), np.asarray(y, dtype=float)
+    if len(np.unique(n)) < 2 or np.any(n <= 0) or np.any(y <= 0):
+        raise DataError(f"a power law needs values > 0 at two or more model sizes (got N = {sorted(set(n.tolist()))})")
+    r = stats.linregress(np.log(n), np.log(y))
+    return PowerLaw(float(math.exp(r.intercept)), float(r.slope), float(r.rvalue ** 2))
+
+
+def optimal_batch(rows: Any) -> float:
+    """The optimal global batch of one (algorithm, N): the best loss at each batch, a quadratic
+    in log2(B) through them (``scipy.optimize.curve_fit``), and its minimum. With fewer than three
+    batches, or a fit without an interior minimum, the best batch tried.
+
+    Args:
+        rows: DataFrame rows of one algorithm and model size (columns global_batch, eval_loss).
+    """
+    from scipy.optimize import curve_fit
+
+    best = rows.groupby("global_batch")["eval_loss"].min()
+    b, loss = np.log2(best.index.to_numpy(dtype=float)), best.to_numpy(dtype=float)
+    fallback = float(2 ** b[int(np.argmin(loss))])
+    if len(b) < 3:
+        return fallback
+    (a, c, _), _ = curve_fit(lambda x, a, c, d: a * (x - c) ** 2 + d, b, loss,
+                             p0=(0.01, float(b[np.argmin(loss)]), float(loss.min())))
+    if a <= 0 or not (b.min() - 1 <= c <= b.max() + 1):  # no minimum inside (or one step beyond) the grid
+        return fallback
+    return float(2 ** c)
+
+
+def best_rows(df: Any) -> Any:
+    """The best run (lowest eval loss) of each (M, N): its loss, inner lr and batch, and the
+    optimal batch of :func:`optimal_batch`."""
+    out = []
+    for (m, n), g in df.groupby(["M", "N"]):
+        r = g.loc[g["eval_loss"].idxmin()]
+        out.append({"M": int(m), "N": float(n), "eval_loss": float(r["eval_loss"]), "inner_lr": float(r["inner_lr"]),
+                    "global_batch": float(r["global_batch"]), "optimal_batch": optimal_batch(g),
+                    "outer_lr": float(r["outer_lr"]), "H": float(r["H"])})
+    import pandas as pd
+
+    return pd.DataFrame(out)
+
+
+def fit_independent(best: Any) -> dict[str, dict[str, PowerLaw]]:
+    """Per algorithm (DP, M=1, ...) power laws of the loss, inner lr and optimal batch in N.
+    Algorithms with fewer than two model sizes are left out."""
+    laws: dict[str, dict[str, PowerLaw]] = {}
+    for m, g in best.groupby("M"):
+        if g["N"].nunique() < 2:
+            continue
+        laws[algorithm_name(m)] = {"loss": fit_power_law(g["N"], g["eval_loss"]),
+                                   "inner_lr": fit_power_law(g["N"], g["inner_lr"]),
+                                   "batch": fit_power_law(g["N"], g["optimal_batch"])}
+    return laws
+
+
+def fit_joint(n: Any, m: Any, y: Any) -> JointLaw:
+    """``y = A * N^alpha * M^beta`` by least squares on ``log y`` (``scipy.linalg.lstsq``).
+
+    Raises:
+        DataError: fewer than two model sizes or two values of M >= 1.
+    """
+    from scipy.linalg import lstsq
+
+    n, m, y = (np.asarray(v, dtype=float) for v in (n, m, y))
+    if len(np.unique(n)) < 2 or len(np.unique(m)) < 2 or np.any(m < 1):
+        raise DataError("a joint law needs DiLoCo rows (M >= 1) at two or more model sizes and two or more M")
+    x = np.column_stack([np.ones_like(n), np.log(n), np.log(m)])
+    c, *_ = lstsq(x, np.log(y))
+    return JointLaw(float(math.exp(c[0])), float(c[1]), float(c[2]))
+
+
+# -- parametric loss forms L(N, M) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Form:
+    """A parametric loss form. ``log_loss(theta, n, m)`` returns log L for N in parameters and M
+    in replicas; ``theta`` holds log A (and log B, log C) so that A, B, C stay positive, with N
+    entering as N / :data:`N0`."""
+
+    name: str
+    params: tuple[str, ...]
+    log_loss: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+    def coefficients(self, theta: np.ndarray) -> dict[str, float]:
+        return {k: float(math.exp(v)) if k in ("A", "B", "C") else float(v) for k, v in zip(self.params, theta)}
+
+
+N0 = 1e9  # the forms take N in billions of parameters (N / N0): better conditioned, and A reads as L at 1B
+
+
+FORMS = {
+    "A*N^alpha*M^beta": Form("A*N^alpha*M^beta", ("A", "alpha", "beta"),
+                             lambda t, n, m: t[0] + t[1] * np.log(n / N0) + t[2] * np.log(m)),
+    "A*N^alpha*M^beta+C": Form("A*N^alpha*M^beta+C", ("A", "alpha", "beta", "C"),
+                               lambda t, n, m: np.logaddexp(t[0] + t[1] * np.log(n / N0) + t[2] * np.log(m), t[3])),
+    "A*N^(alpha+beta*M)+C": Form("A*N^(alpha+beta*M)+C", ("A", "alpha", "beta", "C"),
+                                 lambda t, n, m: np.logaddexp(t[0] + (t[1] + t[2] * m) * np.log(n / N0), t[3])),
+    "A*N^alpha+B*M^beta+C": Form("A*N^alpha+B*M^beta+C", ("A", "alpha", "B", "beta", "C"),
+                                 lambda t, n, m: np.logaddexp(np.logaddexp(t[0] + t[1] * np.log(n / N0),
+                                                                           t[2] + t[3] * np.log(m)), t[4])),
+}
+
+
+@dataclass(frozen=True)
+class FormFit:
+    """A fitted :class:`Form`: ``theta`` (internal), the coefficients (for N in billions of
+    parameters), and the Huber objective at the optimum."""
+
+    form: str
+    theta: tuple[float, ...]
+    objective: float
+
+    def __call__(self, n: Any, m: Any) -> Any:
+        return np.exp(FORMS[self.form].log_loss(np.asarray(self.theta), np.asarray(n, dtype=float),
+                                                np.asarray(m, dtype=float)))
+
+    def coefficients(self) -> dict[str, float]:
+        return FORMS[self.form].coefficients(np.asarray(self.theta))
+
+
+def fit_form(form: str, n: Any, m: Any, loss: Any, starts: int = 64, seed: int = 0) -> FormFit:
+    """Fit one of :data:`FORMS` with a Huber loss (delta :data:`HUBER_DELTA`) on log L, by L-BFGS-B
+    (``scipy.optimize.minimize``) from ``starts`` random starting points; the best optimum wins.
+
+    Args:
+        n, m, loss: 1-D arrays of the same length (parameters, replicas >= 1, eval loss > 0).
+    """
+    from scipy.optimize import minimize
+    from scipy.special import huber
+
+    f = FORMS[form]
+    n, m, log_l = (np.asarray(v, dtype=float) for v in (n, m, np.log(np.asarray(loss, dtype=float))))
+
+    def objective(theta: np.ndarray) -> float:
+        return float(huber(HUBER_DELTA, f.log_loss(theta, n, m) - log_l).sum())
+
+    rng = np.random.default_rng(seed)
+    best = None
+    for _ in range(starts):
+        theta0 = rng.uniform(-1.0, 1.0, len(f.params))
+        r = minimize(objective, theta0, method="L-BFGS-B")
+        if np.isfinite(r.fun) and (best is None or r.fun < best.fun):
+            best = r
+    assert best is not None
+    return FormFit(form, tuple(float(v) for v in best.x), float(best.fun))
+
+
+def leave_one_size_out(diloco: Any, form: str, starts: int = 64) -> dict[float, float]:
+    """Per model size N: the mean |predicted - measured| loss at N (over its M values) of ``form``
+    fitted on the other sizes (paper section 5: forms compared on held-out sizes)."""
+    out = {}
+    for n in sorted(diloco["N"].unique()):
+        train, held = diloco[diloco["N"] != n], diloco[diloco["N"] == n]
+        fit = fit_form(form, train["N"], train["M"], train["eval_loss"], starts=starts)
+        out[float(n)] = float(np.mean(np.abs(fit(held["N"], held["M"]) - held["eval_loss"])))
+    return out
+
+
+def optimal_outer_lr(df: Any) -> list[dict[str, Any]]:
+    """For each (M, H) of the DiLoCo rows: the outer lr of the lowest loss at each N, and the
+    one chosen (the most frequent over N; ties to the largest N's)."""
+    out = []
+    d = df[df["M"] >= 1]
+    for (m, h), g in d.groupby(["M", "H"]):
+        per_n = {float(n): float(gn.loc[gn["eval_loss"].idxmin(), "outer_lr"]) for n, gn in g.groupby("N")}
+        values = list(per_n.values())
+        counts = {v: values.count(v) for v in values}
+        top = max(counts.values())
+        chosen = next(per_n[n] for n in sorted(per_n, reverse=True) if counts[per_n[n]] == top)
+        out.append({"M": int(m), "H": int(h), "outer_lr": chosen, "per_N": per_n})
+    return out
+
+
+# -- everything at once -------------------------------------------------------------------------
+def fit_all(df: Any, starts: int = 64) -> dict[str, Any]:
+    """All fits of the module docstring on a sweep table (:func:`load_table`). Returns a
+    JSON-ready dict: ``independent`` (per algorithm: loss / inner_lr / batch laws), ``joint``
+    (loss / inner_lr / batch), ``forms`` (coefficients, objective, leave-one-size-out residual per
+    N and mean), ``best_form``, ``outer_lr``, ``best_rows``, ``sizes`` and ``replicas``.
+
+    Raises:
+        DataError: fewer than two model sizes.
+    """
+    best = best_rows(df)
+    if best["N"].nunique() < 2:
+        raise DataError(f"the table has {best['N'].nunique()} model size(s); a scaling law needs at least two")
+    out: dict[str, Any] = {"sizes": sorted(float(n) for n in best["N"].unique()),
+                           "replicas": sorted(int(m) for m in best["M"].unique())}
+    out["independent"] = {k: {q: law.to_dict() for q, law in v.items()} for k, v in fit_independent(best).items()}
+    diloco = best[best["M"] >= 1]
+    out["joint"], out["forms"], out["best_form"] = {}, {}, None
+    if diloco["N"].nunique() >= 2 and diloco["M"].nunique() >= 2:
+        out["joint"] = {q: fit_joint(diloco["N"], diloco["M"], diloco[col]).to_dict()
+                        for q, col in (("loss", "eval_loss"), ("inner_lr", "inner_lr"), ("batch", "optimal_batch"))}
+        if diloco["N"].nunique() >= 3:
+            for name in FORMS:
+                fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
+                loo = leave_one_size_out(diloco, name, starts=starts)
+                out["forms"][name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta),
+                                      "objective": fit.objective, "residual_by_N": {str(k): v for k, v in loo.items()},
+                                      "residual": float(np.mean(list(loo.values())))}
+            out["best_form"] = min(out["forms"], key=lambda k: out["forms"][k]["residual"])
+    out["outer_lr"] = optimal_outer_lr(df)
+    out["best_rows"] = best.to_dict(orient="records")
+    return out
+
+
+def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = None) -> dict[str, Any]:
+    """Predicted eval loss, inner lr, global batch and outer lr of a model of ``params``
+    parameters trained with ``replicas`` replicas (0: data-parallel).
+
+    The loss comes from the best parametric form by leave-one-size-out residual for DiLoCo (the
+    independent law when the form was not fitted) and from the independent law for DP; inner lr
+    and batch from the independent law of that M when fitted, else the joint law; the outer lr
+    from the nearest fitted (M, H).
+
+    Raises:
+        DataError: nothing fitted for that algorithm.
+    """
+    name = algorithm_name(replicas)
+    ind = fits["independent"].get(name)
+    out: dict[str, Any] = {"params": float(params), "replicas": int(replicas), "algorithm": name}
+    if replicas >= 1 and fits.get("best_form"):
+        form = fits["best_form"]
+        out["eval_loss"] = float(FormFit(form, tuple(fits["forms"][form]["theta"]), 0.0)(params, replicas))
+        out["loss_from"] = {"form": form, "residual": fits["forms"][form]["residual"]}
+    elif ind is not None:
+        out["eval_loss"] = float(PowerLaw(**ind["loss"])(params))
+        out["loss_from"] = {"form": f"A*N^alpha ({name})", "r2": ind["loss"]["r2"]}
+    else:
+        raise DataError(f"--replicas {replicas}: the table has no {name} rows at two or more sizes to fit "
+                        f"(fitted: {', '.join(fits['independent']) or 'none'})")
+    for q in ("inner_lr", "batch"):
+        if ind is not None:
+            out[q] = float(PowerLaw(**ind[q])(params))
+            out[f"{q}_from"] = f"A*N^alpha ({name})"
+        elif replicas >= 1 and fits["joint"]:
+            out[q] = float(JointLaw(**fits["joint"][q])(params, replicas))
+            out[f"{q}_from"] = "A*N^alpha*M^beta"
+    out["global_batch"] = out.pop("batch", None)
+    out["global_batch_from"] = out.pop("batch_from", None)
+    if replicas >= 1 and fits["outer_lr"]:
+        near = min(fits["outer_lr"], key=lambda r: (abs(math.log2(r["M"]) - math.log2(replicas)),
+                                                    abs(r["H"] - H) if H is not None else -r["H"]))
+        out["outer_lr"], out["outer_lr_from"] = near["outer_lr"], {"M": near["M"], "H": near["H"]}
+    return out
+
+
+def format_fits(fits: dict[str, Any]) -> str:
+    """The fits as readable tables (for ``ray-diloco fit``)."""
+    lines = [f"model sizes: {', '.join(f'{n:.3g}' for n in fits['sizes'])}; "
+             f"algorithms: {', '.join(algorithm_name(m) for m in fits['replicas'])}", "",
+             "independent power laws y = A * N^alpha",
+             f"{'algorithm':<10} {'loss A':>10} {'alpha':>9} {'inner lr A':>12} {'alpha':>9} {'batch A':>10} {'alpha':>8}"]
+    for k, v in fits["independent"].items():
+        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {v['inner_lr']['A']:>12.5g} "
+                     f"{v['inner_lr']['alpha']:>9.4f} {v['batch']['A']:>10.4g} {v['batch']['alpha']:>8.4f}")
+    if fits["joint"]:
+        lines += ["", "joint laws y = A * N^alpha * M^beta (DiLoCo rows)"]
+        for q, c in fits["joint"].items():
+            lines.append(f"  {q:<9} A = {c['A']:.5g}, alpha = {c['alpha']:.4f}, beta = {c['beta']:.4f}")
+    if fits["forms"]:
+        sizes = list(next(iter(fits["forms"].values()))["residual_by_N"])
+        lines += ["", "parametric forms L(N, M) (N in billions), Huber on log L; leave-one-size-out |residual| "
+                  "per held-out N",
+                  f"{'form':<22} {'mean':>8} " + " ".join(f"{float(s):>8.3g}" for s in sizes)]
+        for name, f in fits["forms"].items():
+            mark = "  <- best" if name == fits["best_form"] else ""
+            lines.append(f"{name:<22} {f['residual']:>8.4f} " +
+                         " ".join(f"{f['residual_by_N'][s]:>8.4f}" for s in sizes) + mark)
+    if fits["outer_lr"]:
+        lines += ["", "best outer lr per (M, H) (per N in brackets)"]
+        for r in fits["outer_lr"]:
+            per = ", ".join(f"{n:.3g}: {v:g}" for n, v in r["per_N"].items())
+            lines.append(f"  M={r['M']} H={r['H']}: {r['outer_lr']:g}  [{per}]")
+    return "\n".join(lines)
+
+
+def format_prediction(p: dict[str, Any]) -> str:
+    """A prediction (:func:`predict`) as lines."""
+    src = p["loss_from"]
+    how = f"form {src['form']}, leave-one-size-out residual {src['residual']:.4f}" if "residual" in src \
+        else f"{src['form']}, r2 {src['r2']:.4f}"
+    lines = [f"{p['algorithm']} at N = {p['params']:.4g} parameters",
+             f"  eval loss     {p['eval_loss']:.4f}   ({how})"]
+    if p.get("inner_lr") is not None:
+        lines.append(f"  inner lr      {p['inner_lr']:.4g}   ({p['inner_lr_from']})")
+    if p.get("global_batch") is not None:
+        lines.append(f"  global batch  {p['global_batch']:.4g}   ({p['global_batch_from']}; in the table's batch unit)")
+    if p.get("outer_lr") is not None:
+        lines.append(f"  outer lr      {p['outer_lr']:g}   (best at M={p['outer_lr_from']['M']}, "
+                     f"H={p['outer_lr_from']['H']})")
+    return "\n".join(lines)

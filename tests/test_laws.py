@@ -1,0 +1,199 @@
+"""Scaling-law fits (ray_diloco.laws) against the published tables of "Scaling Laws for DiLoCo"
+(algorithms.md section 3), a synthetic sweep with known optima, and the fit/predict CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT, run_cli
+
+from ray_diloco.errors import DataError
+from ray_diloco.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, fit_all, fit_form,
+                             fit_joint, fit_power_law, load_table, optimal_batch, paper_fits, paper_table, predict)
+
+FIXTURE = ROOT / "tests" / "fixtures" / "cpu_sweep_results.csv"
+
+
+@pytest.mark.parametrize("algorithm", list(PAPER_INDEPENDENT))
+def test_independent_loss_laws_reproduce_the_published_coefficients(algorithm):
+    """Done-when 1: A within 2%, alpha within 0.002 of the paper's per-algorithm fits."""
+    df = paper_table()
+    m = 0 if algorithm == "DP" else int(algorithm[2:])
+    rows = df[df["M"] == m]
+    law = fit_power_law(rows["N"], rows["eval_loss"])
+    A, alpha = PAPER_INDEPENDENT[algorithm]["loss"]
+    assert law.A == pytest.approx(A, rel=0.02) and law.alpha == pytest.approx(alpha, abs=0.002), (law, A, alpha)
+    assert law.r2 > 0.99
+
+
+def test_joint_law_reproduces_the_published_coefficients():
+    """Done-when 1: L = A N^alpha M^beta over the DiLoCo rows (M = 1, 2, 4, 8)."""
+    df = paper_table()
+    d = df[df["M"] >= 1]
+    law = fit_joint(d["N"], d["M"], d["eval_loss"])
+    A, alpha, beta = PAPER_JOINT["loss"]
+    assert law.A == pytest.approx(A, rel=0.02)
+    assert law.alpha == pytest.approx(alpha, abs=0.002) and law.beta == pytest.approx(beta, abs=0.002)
+
+
+def test_parametric_forms_with_2_4b_held_out():
+    """Done-when 2, measured: each form fitted on 35M..1.3B (Huber on log L, L-BFGS, random
+    starts) and scored on the 2.4B losses. The published residuals (0.0044 / 0.0035 / 0.0025 /
+    0.0043) were fitted on the paper's full sweep; on its published best-loss table alone the
+    +C forms beat the plain power law, and A*N^(alpha+beta*M)+C does not come out best (see
+    README, "Scaling laws"). The fits are deterministic (seeded starts), so the ranking is pinned."""
+    df = paper_table()
+    d = df[df["M"] >= 1]
+    train, held = d[d["N"] < 2e9], d[d["N"] > 2e9]
+    res = {}
+    for name in FORMS:
+        fit = fit_form(name, train["N"], train["M"], train["eval_loss"], starts=24)
+        pred = fit(held["N"], held["M"])
+        res[name] = float(np.mean(np.abs(pred - held["eval_loss"])))
+    print({k: (round(v, 4), PAPER_FORM_RESIDUALS[k]) for k, v in res.items()})
+    assert all(v < 0.03 for v in res.values()), res
+    plain = res["A*N^alpha*M^beta"]
+    assert all(res[k] < plain for k in FORMS if k.endswith("+C")), res  # the irreducible term helps out of sample
+    assert min(res, key=res.get) == "A*N^alpha*M^beta+C"
+
+
+def _synthetic_sweep() -> tuple[pd.DataFrame, dict]:
+    """A grid sweep whose losses follow known laws: L*(N, M) = A N^alpha M^beta (DP: M^0 x 1.002),
+    plus quadratic penalties in log2(inner lr / lr*(N)) and log2(B / B*(N)) and in the outer lr
+    away from 0.2 + 0.2 log2(M)."""
+    # lr*(N) = 2^-7 at 1M parameters, falling 2^-1.5 per 4x: on the sqrt(2) grid at every size swept
+    truth = {"A": 20.0, "alpha": -0.1, "beta": 0.01, "lr_A": 2**-7 * 1e6**0.75, "lr_alpha": -0.75, "b_A": 0.02,
+             "b_alpha": 0.45}
+    rows = []
+    for n in (1e6, 4e6, 16e6, 64e6):
+        lr_star, b_star = truth["lr_A"] * n ** truth["lr_alpha"], truth["b_A"] * n ** truth["b_alpha"]
+        for m in (0, 1, 2, 4):
+            base = truth["A"] * n ** truth["alpha"] * (1.002 if m == 0 else m ** truth["beta"])
+            outer_star = 0.2 + 0.2 * math.log2(max(m, 1))
+            for k in range(-3, 4):  # inner lr over powers of sqrt 2 around the optimum's grid point
+                lr = 2 ** (round(2 * math.log2(lr_star)) / 2 + k / 2)
+                for j in range(-2, 3):  # batch over powers of 2
+                    b = 2 ** (round(math.log2(b_star)) + j)
+                    for outer in ((0.2, 0.4, 0.6, 0.8, 1.0) if m >= 1 else (1.0,)):
+                        loss = base + 0.01 * math.log2(lr / lr_star) ** 2 + 0.004 * math.log2(b / b_star) ** 2 \
+                            + (0.05 * (outer - outer_star) ** 2 if m >= 1 else 0.0)
+                        rows.append({"num_parameters": n, "replicas": m, "H": 30, "inner_lr": lr, "outer_lr": outer,
+                                     "global_batch": b, "tokens": 20 * n, "final_eval_loss": loss,
+                                     "status": "TERMINATED"})
+    rows.append({**rows[0], "final_eval_loss": float("nan"), "status": "ERROR"})  # failed trials are ignored
+    return pd.DataFrame(rows), truth
+
+
+def test_fits_recover_the_laws_a_synthetic_sweep_was_made_from(tmp_path):
+    df, truth = _synthetic_sweep()
+    df.to_csv(tmp_path / "results.csv", index=False)
+    table = load_table(tmp_path)  # a sweep directory: its results.csv, result columns renamed
+    assert len(table) == len(df) - 1 and set(table["M"]) == {0, 1, 2, 4}
+    fits = fit_all(table, starts=8)
+    for name in ("M=1", "M=2", "M=4"):
+        m = int(name[2:])
+        loss = fits["independent"][name]["loss"]
+        # the best run of a size sits on the lr / batch grid points nearest the optimum: up to
+        # 1.6e-3 of penalty on a loss near 3
+        assert loss["A"] == pytest.approx(truth["A"] * m ** truth["beta"], rel=3e-3)
+        assert loss["alpha"] == pytest.approx(truth["alpha"], abs=1e-3)
+        batch = fits["independent"][name]["batch"]  # the quadratic through the best loss per batch finds B* exactly
+        assert batch["A"] == pytest.approx(truth["b_A"], rel=1e-4) and batch["alpha"] == pytest.approx(truth["b_alpha"], abs=1e-5)
+        lr = fits["independent"][name]["inner_lr"]
+        assert lr["A"] == pytest.approx(truth["lr_A"], rel=1e-6) and lr["alpha"] == pytest.approx(truth["lr_alpha"], abs=1e-9)
+    joint = fits["joint"]["loss"]
+    assert joint["A"] == pytest.approx(truth["A"], rel=3e-3) and joint["beta"] == pytest.approx(truth["beta"], abs=1e-3)
+    assert {(r["M"], r["outer_lr"]) for r in fits["outer_lr"]} == {(1, 0.2), (2, 0.4), (4, 0.6)}
+    assert fits["forms"]["A*N^alpha*M^beta"]["residual"] < 3e-3  # the generating form predicts held-out sizes
+    p = predict(fits, 256e6, 2, H=30)
+    assert p["eval_loss"] == pytest.approx(truth["A"] * 256e6 ** truth["alpha"] * 2 ** truth["beta"], rel=3e-3)
+    assert p["global_batch"] == pytest.approx(truth["b_A"] * 256e6 ** truth["b_alpha"], rel=1e-3)
+    assert p["outer_lr"] == 0.4
+    with pytest.raises(DataError, match="--replicas 8: the table has no M=8 rows"):
+        predict({**fits, "best_form": None}, 1e9, 8)
+
+
+def test_optimal_batch_is_the_vertex_of_the_quadratic_in_log2_b():
+    rows = pd.DataFrame({"global_batch": [32, 64, 128, 256, 256], "eval_loss": [3.0 + 0.1 * (x - 6.3) ** 2 for x in
+                                                                            (5, 6, 7, 8)] + [9.0]})
+    assert optimal_batch(rows) == pytest.approx(2 ** 6.3, rel=1e-6)
+    two = pd.DataFrame({"global_batch": [32, 64], "eval_loss": [3.1, 3.0]})
+    assert optimal_batch(two) == 64  # fewer than three batches: the best one tried
+
+
+def test_predictions_from_the_papers_fits_match_its_4b_and_10b_runs():
+    """The paper trained 4B and 10B models with predicted hyperparameters (algorithms.md section 3).
+    Our loss predictions from its own table (35M-2.4B) land within 1% of what it measured at 4B;
+    at 10B, 4x past the largest size fitted, within 3.5% (DP's pure power law, with no
+    irreducible term, is the most optimistic: 2.021 against 2.090)."""
+    fits = paper_fits(starts=8)
+    measured = {(4e9, 0): 2.224, (10e9, 0): 2.090, (4e9, 1): 2.219, (10e9, 1): 2.086, (4e9, 2): 2.220,
+                (10e9, 2): 2.086, (4e9, 4): 2.230, (10e9, 4): 2.096}
+    for (n, m), loss in measured.items():
+        p = predict(fits, n, m)
+        assert p["eval_loss"] == pytest.approx(loss, rel=0.01 if n == 4e9 else 0.035), (n, m, p["eval_loss"], loss)
+        # inner lr and batch come from the published laws
+        lr_a, lr_alpha = PAPER_INDEPENDENT[p["algorithm"]]["inner_lr"]
+        assert p["inner_lr"] == pytest.approx(lr_a * n ** lr_alpha, rel=1e-9)
+
+
+def test_fit_and_predict_cli_write_json_and_plots(tmp_path):
+    df, _ = _synthetic_sweep()
+    df.to_parquet(tmp_path / "sweep.parquet", index=False)
+    out = run_cli(["fit", str(tmp_path / "sweep.parquet"), "--starts", "4", "--json", str(tmp_path / "f.json")], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "independent power laws" in out.stdout and "<- best" in out.stdout
+    fits = json.loads((tmp_path / "fits.json").read_text())
+    assert fits == json.loads((tmp_path / "f.json").read_text())
+    for png in ("loss_vs_N.png", "residuals.png", "optimal_hparams.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pred = run_cli(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "2.56e8", "--replicas", "2",
+                    "--json", str(tmp_path / "p.json")], timeout=120)
+    assert pred.returncode == 0, pred.stderr
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert f"{p['eval_loss']:.4f}" in pred.stdout and p["outer_lr"] == 0.4
+    paper = run_cli(["predict", "--params", "4e9", "--replicas", "2"], timeout=300)
+    assert paper.returncode == 0 and "published Scaling Laws for DiLoCo fits" in paper.stdout, paper.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["fit", "/nonexistent/results.csv"], "error: /nonexistent/results.csv: file not found"),
+    (["predict", "--params", "-1", "--replicas", "2"], "error: --params = -1.0: must be a finite number of parameters > 0"),
+    (["predict", "--params", "1e9", "--replicas", "-2"], "error: --replicas = -2: must be >= 0"),
+    (["fit", "MISSING_COLUMN"], "missing column(s) H"),
+])
+def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
+    if args[-1] == "MISSING_COLUMN":
+        df, _ = _synthetic_sweep()
+        df.drop(columns=["H"]).to_csv(tmp_path / "t.csv", index=False)
+        args = ["fit", str(tmp_path / "t.csv")]
+    out = run_cli(args, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not FIXTURE.is_file(), reason="fixture not generated")
+def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
+    """Done-when 4: the results table of a real CPU sweep of this project (tests/fixtures,
+    written by ray-diloco tune with tune_spaces/cpu_fit_fixture.yaml) through fit and predict."""
+    table = load_table(FIXTURE)
+    assert table["N"].nunique() >= 3 and set(table["M"]) >= {0, 1, 2}
+    out = run_cli(["fit", str(FIXTURE), "--out", str(tmp_path), "--starts", "8"], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    fits = json.loads((tmp_path / "fits.json").read_text())
+    for name in ("DP", "M=1", "M=2"):
+        law = fits["independent"][name]["loss"]
+        assert law["alpha"] < 0 and law["r2"] > 0.8, (name, law)  # bigger models reach lower loss
+    assert all((tmp_path / p).is_file() for p in ("loss_vs_N.png", "residuals.png", "optimal_hparams.png"))
+    n_big = 4 * max(table["N"])
+    pred = run_cli(["predict", "--fits", str(tmp_path / "fits.json"), "--params", str(n_big), "--replicas", "2"], timeout=120)
+    assert pred.returncode == 0, pred.stderr
+    best_seen = table[table["M"] == 2]["eval_loss"].min()
+    assert "eval loss" in pred.stdout
+    p = predict(fits, n_big, 2)
+    assert 0 < p["eval_loss"] < best_seen  # a 4x bigger model is predicted to do better than anything swept
+
