@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--tau", type=int, default=1, help="overlap in inner steps for the +overlap methods (default 1)")
     si.add_argument("--layers-per-fragment", type=int, default=3, help="blocks per fragment (default 3)")
     si.add_argument("--latency-ms", type=float, default=0.0, help="latency per message (default 0)")
+    si.add_argument("--bits", type=float, default=None,
+                    help="bits per value on the wire (default 16, bf16 as in the papers; FP4 methods: 4)")
     si.add_argument("--target", type=float, action="append", default=None,
                     help="compute utilisation to reach, repeatable (default 0.5 0.8 0.9 0.95 0.99)")
     si.add_argument("--plot", default=None, metavar="PNG", help="also plot utilisation vs bandwidth")
@@ -255,45 +257,68 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate_problems(a: argparse.Namespace) -> list[str]:
+    """One line per invalid ``simulate`` option."""
+    bad = []
+    for t in a.target or []:
+        if not 0 < t < 1:
+            bad.append(f"--target = {t}: must be a utilisation in (0, 1), for example 0.95")
+    for name, v in (("--params", a.params), ("--tokens-per-step", a.tokens_per_step), ("--tflops", a.tflops)):
+        if not (math.isfinite(v) and v > 0):
+            bad.append(f"{name} = {v}: must be a finite number > 0")
+    if a.step_s is not None and not (math.isfinite(a.step_s) and a.step_s > 0):
+        bad.append(f"--step-s = {a.step_s}: must be a finite number of seconds > 0")
+    if not 0 < a.mfu <= 1:
+        bad.append(f"--mfu = {a.mfu}: must be in (0, 1]")
+    for name, v, low in (("--layers", a.layers, 1), ("--chips", a.chips, 1), ("--H", a.H, 1), ("--tau", a.tau, 0),
+                         ("--layers-per-fragment", a.layers_per_fragment, 1)):
+        if v < low:
+            bad.append(f"{name} = {v}: must be an integer >= {low}")
+    if not (math.isfinite(a.latency_ms) and a.latency_ms >= 0):
+        bad.append(f"--latency-ms = {a.latency_ms}: must be a finite number >= 0")
+    if a.bits is not None and not (math.isfinite(a.bits) and 0 < a.bits <= 64):
+        bad.append(f"--bits = {a.bits}: must be in (0, 64]")
+    return bad
+
+
 def _cmd_simulate(a: argparse.Namespace) -> int:
+    from .errors import UsageError
     from .simulate import (METHODS, TARGETS, Method, ModelSpec, bandwidth_table, format_bandwidth_table, paper_rows,
                            step_time_s)
 
+    problems = _simulate_problems(a)
+    if problems:
+        raise UsageError(problems)
     targets = tuple(a.target or TARGETS)
-    for t in targets:
-        if not 0 < t < 1:
-            raise RayDilocoError(f"--target = {t}: must be a utilisation in (0, 1), for example 0.95")
     if a.paper_table:
         rows = paper_rows()
-        print("Gbit/s needed per compute-utilisation target: ours (the paper's); tables: Streaming DiLoCo Table 4 "
-              "(H=100) and Scaling Laws for DiLoCo Table 6 (10B)")
-        for table in ("streaming-4", "scaling-6"):
+        print("Gbit/s needed per compute-utilisation target: ours (the paper's)")
+        for table, title in (("streaming-4", "Streaming DiLoCo Table 4 (H=100)"), ("scaling-6", "Scaling Laws for DiLoCo "
+                                                                                            "Table 6 (10B, 0.8 s/step)")):
             part = [r for r in rows if r["table"] == table]
             off = [abs(r["steps_off"]) for r in part if r["steps_off"] is not None]
-            print(f"\n{table}: {sum(o == 0 for o in off)}/{len(part)} cells exact, "
+            print(f"\n{title}: {sum(o == 0 for o in off)}/{len(part)} cells exact, "
                   f"{sum(o <= 1 for o in off)}/{len(part)} within one grid step, worst {max(off)} steps")
             print(format_bandwidth_table(part, with_paper=True))
         if a.json:
             _write_json(a.json, [{"model": r["model"], "method": r["method"], "H": r["H"], "target": r["target"],
                                   "gbps": r["gbps"], "paper_gbps": r["paper_gbps"], "table": r["table"]} for r in rows])
         return 0
-    for name, v in (("--params", a.params), ("--tokens-per-step", a.tokens_per_step), ("--tflops", a.tflops)):
-        if not (math.isfinite(v) and v > 0):
-            raise RayDilocoError(f"{name} = {v}: must be a finite number > 0")
-    if not 0 < a.mfu <= 1:
-        raise RayDilocoError(f"--mfu = {a.mfu}: must be in (0, 1]")
-    if a.layers < 1 or a.chips < 1 or a.latency_ms < 0 or (a.step_s is not None and not a.step_s > 0):
-        raise RayDilocoError(f"--layers = {a.layers}, --chips = {a.chips}, --latency-ms = {a.latency_ms}, "
-                             f"--step-s = {a.step_s}: need layers >= 1, chips >= 1, latency >= 0, step > 0")
     step = a.step_s if a.step_s is not None else step_time_s(a.params, a.tokens_per_step, a.chips, a.tflops, a.mfu)
     model = ModelSpec(f"{a.params:.3g}", a.params, a.layers, step)
-    methods = [Method(k, H=a.H, tau=a.tau, layers_per_fragment=a.layers_per_fragment) for k in METHODS]
+    methods = [Method(k, H=a.H, tau=a.tau, layers_per_fragment=a.layers_per_fragment,
+                      bits=None if a.bits is None or k.endswith("_fp4") else a.bits) for k in METHODS]
     rows = bandwidth_table(model, methods, targets, a.latency_ms / 1000)
-    print(f"N = {a.params:.4g} parameters, {a.layers} layers, {step:.4g} s of compute per step; H = {a.H}, "
-          f"tau = {a.tau}, {a.layers_per_fragment} layers per fragment; Gbit/s needed per utilisation target")
+    src = "(--step-s)" if a.step_s is not None else \
+        f"(6 N x {a.tokens_per_step:.4g} tokens on {a.chips} chips at {a.tflops:g} TFLOP/s x {a.mfu:g} MFU)"
+    print(f"N = {a.params:.4g} parameters, {a.layers} layers, {step:.4g} s of compute per step {src}; H = {a.H}, "
+          f"tau = {a.tau}, {a.layers_per_fragment} layers per fragment, {a.bits or 16:g} bits per value "
+          f"(FP4: 4), latency {a.latency_ms:g} ms")
+    print("Gbit/s needed per compute-utilisation target ('-': not reached at 1000 Gbit/s)")
     print(format_bandwidth_table(rows))
     if a.json:
-        _write_json(a.json, rows)
+        _write_json(a.json, [{**r, "params": a.params, "layers": a.layers, "step_s": step,
+                              "latency_s": a.latency_ms / 1000} for r in rows])
     if a.plot:
         from .plots import plot_utilisation
 

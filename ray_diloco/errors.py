@@ -23,6 +23,17 @@ class ConfigError(RayDilocoError):
         return [f"config error: {p}" for p in self.problems]
 
 
+class UsageError(RayDilocoError):
+    """Invalid command-line options; ``problems`` holds one line per option."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
+
+    def lines(self) -> list[str]:
+        return list(self.problems)
+
+
 class DataError(RayDilocoError):
     """The corpus or tokenizer cannot be loaded or is too small for the run."""
 

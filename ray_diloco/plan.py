@@ -134,8 +134,8 @@ def format_plan(p: dict[str, Any]) -> str:
 def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, mfu: float,
                     bandwidth_gbps: float | None = None, latency_ms: float | None = None) -> dict[str, Any]:
     """The run's predicted wall-clock from the compute-utilisation simulator
-    (:mod:`ray_diloco.simulate`): step time from 6 x N x (global batch x seq len) FLOPs on
-    ``chips`` chips per replica at ``tflops`` x ``mfu``; the run's own method (DP, DiLoCo H, or
+    (:mod:`ray_diloco.simulate`): step time from 6 x N x (global batch x seq len) FLOPs split
+    over M replicas of ``chips`` chips at ``tflops`` x ``mfu``; the run's own method (DP, DiLoCo H, or
     its fragments, tau and wire format). With a bandwidth (the argument, else
     ``network.bandwidth_gbps``) it returns the time; without, the bandwidth per target.
 
@@ -144,7 +144,7 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
     from .simulate import TARGETS, Method, ModelSpec, Network, required_bandwidth, step_time_s, wall_clock
 
     tokens = cfg.inner.global_batch * cfg.data.seq_len
-    step = step_time_s(p["params"], tokens, chips, tflops, mfu)
+    step = step_time_s(p["params"], tokens, chips * cfg.diloco.replicas, tflops, mfu)  # the batch is split over M
     model = ModelSpec(f"{p['params']:.3g}", p["params"], resolve_model_shape(cfg.model, 1)["n_layers"], step)
     largest = max(p["rows"], key=lambda r: r["params"])
     bits = 8 * largest["bytes_up_per_sync"] / largest["params"]
@@ -170,7 +170,8 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
 def format_wall_clock(w: dict[str, Any]) -> str:
     """:func:`wall_clock_plan` as lines."""
     head = (f"simulated: {w['method']}, {w['bits_per_value']:.3g} bits per value on the wire, {w['step_s']:.4g} s of "
-            f"compute per step ({w['tokens_per_step']:,} tokens on {w['chips_per_replica']} chip(s) per replica)")
+            f"compute per step ({w['tokens_per_step']:,} tokens over the replicas, {w['chips_per_replica']} chip(s) "
+            "each)")
     if "total_s" in w:
         return "\n".join([head, f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "
                                  f"{w['total_s'] / 3600:.3g} h for {w['steps']:,} steps "

@@ -109,6 +109,6 @@ def plot_utilisation(model: Any, methods: list[Any], path: str | Path, latency_s
     ax.set_ylabel("compute utilisation")
     ax.set_ylim(0, 1.02)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(f"{model.name}: {model.layers} layers, {model.step_s:g} s/step")
+    ax.set_title(f"{model.name} parameters: {model.layers} layers, {model.step_s:.3g} s/step")
     ax.legend(fontsize=7)
     return _save(fig, Path(path))

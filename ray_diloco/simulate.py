@@ -219,7 +219,8 @@ def format_bandwidth_table(rows: list[dict[str, Any]], with_paper: bool = False)
         k = (r.get("table", ""), r["model"], r["method"], r["H"])
         if k not in keys:
             keys.append(k)
-    head = f"{'model':<6} {'method':<22} {'H':>4} " + " ".join(f"{f'{t:.0%}':>{16 if with_paper else 7}}" for t in targets)
+    head = f"{'model':<6} {'method':<22} {'H':>4} " + " ".join(f"{f'{100 * t:g}%':>{16 if with_paper else 7}}"
+                                                              for t in targets)
     lines = [head]
     for k in keys:
         cells = []

@@ -100,12 +100,32 @@ def _rows(run_dir):
 
 
 @pytest.mark.slow
-def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, small_text):
-    """Kill the whole job (driver and its Ray) after outer step 3, resume, and every later outer
-    update, the outer momentum and the data read equal those of an uninterrupted run, bit for bit."""
-    cfg = _write_config(tmp_path, small_text, run__steps=90, run__eval_every=0, run__keep_checkpoints=3)
-    full = run_cli(["train", "--config", str(cfg), "--set", "run.name=full"])
+def test_train_eval_generate_then_kill_and_resume_matches_the_uninterrupted_run(tmp_path, small_text):
+    """`ray-diloco train` as a user runs it (W&B offline), then `eval` and `generate` on its run
+    directory. A second run of the same config is killed whole (driver and its Ray) after outer
+    step 3 and resumed: every later outer update, the outer momentum and the data read equal
+    those of the first run, bit for bit."""
+    cfg = _write_config(tmp_path, small_text, run__steps=90, run__eval_every=0, run__keep_checkpoints=3,
+                        tracking__wandb=True)
+    full = run_cli(["train", "--config", str(cfg), "--set", "run.name=full"], env={"WANDB_MODE": "offline"})
     assert full.returncode == 0, full.stderr[-3000:]
+    full_dir = tmp_path / "runs" / "full"
+    assert f"run directory: {full_dir}" in full.stdout
+    summary = json.loads((full_dir / "summary.json").read_text())
+    assert f"{summary['final_eval_loss']:.4f}" in full.stdout
+    assert yaml.safe_load((full_dir / "config.yaml").read_text())["diloco"]["H"] == 5
+    wb = run_contents(full_dir)  # the offline W&B run, read back from its protobuf log
+    assert wb["config"]["diloco"]["H"] == 5 and wb["config"]["run"]["name"] == "full" and wb["name"] == "full"
+    rows = _rows(full_dir)
+    assert [h["eval_loss"] for h in wb["history"] if "eval_loss" in h] == [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert all("train_loss_replica/replica_1" in h for h in wb["history"] if "train_loss" in h)
+    ev = run_cli(["eval", str(full_dir)], timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout
+    gen = run_cli(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),
                              "--set", "run.name=killed"], cwd=str(ROOT), env=env, start_new_session=True,
@@ -121,37 +141,13 @@ def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, small_text):
     assert done and not (run_dir / "summary.json").exists()
     resumed = run_cli(["train", "--resume", str(run_dir)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = _rows(tmp_path / "runs" / "full"), _rows(run_dir)
+    a, b = rows, _rows(run_dir)
     assert [r["outer_step"] for r in b] == [r["outer_step"] for r in a] == list(range(1, 19))
     for ra, rb in zip(a, b):
         for key in ("global_sha256", "outer_state_sha256", "data_digest", "train_loss"):
             assert ra[key] == rb[key], (ra["outer_step"], key)
-    sa = json.loads((tmp_path / "runs" / "full" / "summary.json").read_text())
     sb = json.loads((run_dir / "summary.json").read_text())
-    assert sa["final_eval_loss"] == sb["final_eval_loss"] and sa["tokens"] == sb["tokens"]
-
-
-@pytest.mark.slow
-def test_train_eval_generate_from_the_command_line(tmp_path, small_text):
-    cfg = _write_config(tmp_path, small_text, run__steps=30, tracking__wandb=True)
-    proc = run_cli(["train", "--config", str(cfg), "--set", "run.name=cli"], env={"WANDB_MODE": "offline"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "cli"
-    assert f"run directory: {run_dir}" in proc.stdout
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert f"{summary['final_eval_loss']:.4f}" in proc.stdout
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["diloco"]["H"] == 5
-    wb = run_contents(run_dir)  # the offline W&B run, read back from its protobuf log
-    assert wb["config"]["diloco"]["H"] == 5 and wb["config"]["run"]["name"] == "cli" and wb["name"] == "cli"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["eval_loss"] for h in wb["history"] if "eval_loss" in h] == [r["eval_loss"] for r in rows]
-    assert all("train_loss_replica/replica_1" in h for h in wb["history"] if "train_loss" in h)
-    ev = run_cli(["eval", str(run_dir)], timeout=300)
-    assert ev.returncode == 0, ev.stderr
-    assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout
-    gen = run_cli(["generate", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
+    assert summary["final_eval_loss"] == sb["final_eval_loss"] and summary["tokens"] == sb["tokens"]
 
 
 @pytest.mark.slow

@@ -345,7 +345,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
     step, no outer step waits more than sync_timeout_s + 5 s beyond the slowest fault-free one,
     all live replicas hold the driver's global parameters after each outer step, and the final
     validation loss is within 3% of a fault-free run's."""
-    over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=1200, diloco__H=100,
+    over = dict(run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0, run__steps=900, diloco__H=100,
                 diloco__replicas=3, inner__global_batch=12, diloco__sync_timeout_s=5.0, network__latency_ms=50.0,
                 diloco__spare_replicas=1, diloco__cpus_per_worker=0.5)
 
@@ -358,7 +358,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
             while kills and not t.members.poll():
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            for k in range(1, 13):
+            for k in range(1, 10):
                 killer = None
                 if k in kills:
                     killer = threading.Thread(target=_chaos_kill, args=(t, kills[k]))
@@ -372,11 +372,11 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
 
     clean_rows, clean_loss = run("clean", {})
     rng = random.Random()
-    steps = sorted(rng.sample(range(2, 10), 3))
+    steps = sorted(rng.sample(range(2, 8), 3))
     kills = {steps[0]: "inner", steps[1]: "exchange", steps[2]: "inner"}
     rows, loss = run("chaos", kills)
     print(f"\nchaos {kills}: final loss {loss:.4f} vs fault-free {clean_loss:.4f} ({loss / clean_loss - 1:+.2%})")
-    assert [r["outer_step"] for r in rows] == list(range(1, 13))
+    assert [r["outer_step"] for r in rows] == list(range(1, 10))
     slowest = max(r["round_s"] for r in clean_rows)
     assert max(r["round_s"] for r in rows) <= slowest + 5.0 + 5.0
     for r in rows:  # (a round may end with no replica alive until the replacements join)

@@ -100,4 +100,28 @@ def test_simulate_cli_paper_table_json_and_plot(tmp_path):
     dp = next(r for r in b if r["method"] == "dp")
     assert dp["gbps"] == pytest.approx(required_bandwidth(ModelSpec("x", 1e10, 48, 0.8), Method("dp"), 0.95))
     bad = run_cli(["simulate", "--target", "95"], timeout=60)
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --target = 95.0: must be a utilisation in (0, 1), for example 0.95"
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: --target = 95.0: must be a utilisation in (0, 1), for example 0.95"
+
+
+def test_plan_wall_clock_uses_the_runs_method_and_wire_size():
+    """`ray-diloco plan --chips`: the step time is 6 N x (global batch x seq len) FLOPs over M
+    replicas of C chips; the method and bits per value are the run's (fp32 pseudo-gradients by
+    default, int8 with scales under streaming quantisation); the time is compute / utilisation."""
+    from ray_diloco.config import load_config
+    from ray_diloco.plan import sync_plan, wall_clock_plan
+
+    cfg = load_config(None, ["run.steps=100", "diloco.H=10"])
+    p = sync_plan(cfg)
+    w = wall_clock_plan(cfg, p, chips=2, tflops=100.0, mfu=0.5, bandwidth_gbps=1.0, latency_ms=0.0)
+    tokens = cfg.inner.global_batch * cfg.data.seq_len
+    assert w["step_s"] == pytest.approx(6 * p["params"] * tokens / (2 * cfg.diloco.replicas * 100e12 * 0.5))
+    assert w["method"] == "diloco" and w["bits_per_value"] == pytest.approx(32, rel=1e-3)
+    model = ModelSpec("x", p["params"], 4, w["step_s"])
+    cu = compute_utilisation(model, Method("diloco", H=10, bits=w["bits_per_value"]), Network(1.0, 0.0, 2))
+    assert w["utilisation"] == pytest.approx(cu) and w["total_s"] == pytest.approx(100 * w["step_s"] / cu)
+    cfg = load_config(None, ["run.steps=100", "diloco.H=10", "streaming.fragments=2", "streaming.overlap_steps=1",
+                             "streaming.quantization=int8"])
+    w = wall_clock_plan(cfg, sync_plan(cfg), chips=2, tflops=100.0, mfu=0.5)
+    assert w["method"] == "streaming_overlap" and 8 < w["bits_per_value"] < 8.5 and set(w["required_gbps"]) == {
+        "0.5", "0.8", "0.9", "0.95", "0.99"}
