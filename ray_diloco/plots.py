@@ -53,6 +53,10 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
             law = PowerLaw(**fits["independent"][name]["loss"])
             ax.loglog(line, law(line), "-", color=dots.get_color(), lw=1,
                       label=f"{law.A:.4g} N^{law.alpha:.4f}")
+    from matplotlib.ticker import FormatStrFormatter
+
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))  # losses span less than a decade
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%.2f"))
     ax.set_xlabel("parameters N")
     ax.set_ylabel("eval loss (best per size)")
     ax.set_title("loss vs model size, per algorithm")

@@ -205,6 +205,8 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
         print(f"note: {spec.sweep_dir} holds no saved Tune state (the sweep stopped before its first trial "
               "started): starting it from the beginning", file=sys.stderr)
     started = init_ray(cfg0)
+    # outer steps without an evaluation report eval_loss NaN; Tune's TensorBoard logger warns on each
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     controller = logging.getLogger("ray.tune.execution.tune_controller")
     one_line = _OneLineTrialErrors()
     controller.addFilter(one_line)
@@ -295,17 +297,16 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
             cfg = None
         status = saved.get(getattr(t, "trial_id", None)) or getattr(t, "status", None) or \
             ("ERROR" if r.error else "TERMINATED")
-        if status == "TERMINATED" and cfg is not None and m.get("outer_step") is not None \
-                and m["outer_step"] < cfg.num_outer_steps:
-            status = "STOPPED"  # by the scheduler (ASHA) before its last outer step
         row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
                                "status": status}
         row.update(params)
         here = spec.local_dir / "trials" / str(row["trial"])  # where it is now (the sweep may have been moved)
         run_dir = str(here) if here.is_dir() else m.get("run_dir")
         summary = {}
-        if run_dir and (Path(run_dir) / "summary.json").is_file():
+        if run_dir and (Path(run_dir) / "summary.json").is_file():  # written when the run finished
             summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        if status == "TERMINATED" and not summary and m.get("outer_step") is not None:
+            row["status"] = "STOPPED"  # by the scheduler (ASHA) before its last outer step
         row.update({
             "algorithm": cfg.algorithm if cfg else None,
             "model": cfg.model.preset if cfg else None,

@@ -181,10 +181,10 @@ def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
     assert expected in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.skipif(not FIXTURE.is_file(), reason="fixture not generated")
 def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
-    """Done-when 4: the results table of a real CPU sweep of this project (tests/fixtures,
-    written by ray-diloco tune with tune_spaces/cpu_fit_fixture.yaml) through fit and predict."""
+    """Done-when 4: the results table of a real CPU sweep of this project (tests/fixtures, the
+    columns of the results.csv that `ray-diloco tune --space tune_spaces/cpu_fit_demo.yaml` wrote:
+    3 widths x {DP, M=1, M=2} x 2 inner lrs on Tiny Shakespeare) through fit and predict."""
     table = load_table(FIXTURE)
     assert table["N"].nunique() >= 3 and set(table["M"]) >= {0, 1, 2}
     out = run_cli(["fit", str(FIXTURE), "--out", str(tmp_path), "--starts", "8"], timeout=300)
