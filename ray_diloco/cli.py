@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
     pl.add_argument("--chips", type=int, default=None,
                     help="accelerators per replica: adds the predicted wall-clock (simulator of ray-diloco simulate)")
-    pl.add_argument("--tflops", type=float, default=300.0, help="peak TFLOP/s per chip (default 300)")
-    pl.add_argument("--mfu", type=float, default=0.6, help="model FLOPs utilisation (default 0.6)")
+    pl.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s per chip (default 300)")
+    pl.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default 0.6)")
     pl.add_argument("--bandwidth-gbps", type=float, default=None,
                     help="link between replicas (default: network.bandwidth_gbps, else the bandwidth per target)")
     pl.add_argument("--latency-ms", type=float, default=None, help="latency per message (default: network.latency_ms)")
@@ -160,34 +160,58 @@ def _cmd_config(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    import json
-
     from .config import load_config
     from .plan import format_plan, sync_plan
 
     if a.config_file is not None and a.config is not None:
         raise RayDilocoError(f"plan: give the config once (CONFIG {a.config_file!r} or --config {a.config!r})")
-    if a.from_step < 0 or a.upcoming < 0:
-        raise RayDilocoError(f"--from-step = {a.from_step}, --next = {a.upcoming}: must be >= 0")
+    from .errors import UsageError
+
+    bad = [f"{flag} = {v}: must be >= 0" for flag, v in (("--from-step", a.from_step), ("--next", a.upcoming)) if v < 0]
+    sim = {"--tflops": a.tflops, "--mfu": a.mfu, "--bandwidth-gbps": a.bandwidth_gbps, "--latency-ms": a.latency_ms}
+    if a.chips is None:
+        bad += [f"{flag}: only used with --chips (the simulated wall-clock)" for flag, v in sim.items() if v is not None]
+    else:
+        if a.chips < 1:
+            bad.append(f"--chips = {a.chips}: must be an integer >= 1 (accelerators per replica)")
+        if a.tflops is not None and not (math.isfinite(a.tflops) and a.tflops > 0):
+            bad.append(f"--tflops = {a.tflops}: must be a finite number > 0")
+        if a.mfu is not None and not 0 < a.mfu <= 1:
+            bad.append(f"--mfu = {a.mfu}: must be in (0, 1]")
+        if a.bandwidth_gbps is not None and not (math.isfinite(a.bandwidth_gbps) and 1e-6 <= a.bandwidth_gbps <= 1e6):
+            bad.append(f"--bandwidth-gbps = {a.bandwidth_gbps}: must be in [1e-6, 1e6] Gbit/s")
+        if a.latency_ms is not None and not (math.isfinite(a.latency_ms) and 0 <= a.latency_ms <= 60_000):
+            bad.append(f"--latency-ms = {a.latency_ms}: must be in [0, 60000] milliseconds")
+    if bad:
+        raise UsageError(bad)
+    _check_output("--json", a.json)
     cfg = load_config(a.config_file or a.config, a.overrides)
     p = sync_plan(cfg, a.from_step, a.upcoming)
     print(format_plan(p))
     if a.chips is not None:
         from .plan import format_wall_clock, wall_clock_plan
 
-        if a.chips < 1 or not (a.tflops > 0 and math.isfinite(a.tflops)) or not 0 < a.mfu <= 1:
-            raise RayDilocoError(f"--chips = {a.chips}, --tflops = {a.tflops}, --mfu = {a.mfu}: need chips >= 1, "
-                                 "tflops > 0, 0 < mfu <= 1")
-        for name, v in (("--bandwidth-gbps", a.bandwidth_gbps), ("--latency-ms", a.latency_ms)):
-            if v is not None and not (math.isfinite(v) and v >= (0 if name == "--latency-ms" else 1e-9)):
-                raise RayDilocoError(f"{name} = {v}: must be a finite number {'>= 0' if 'lat' in name else '> 0'}")
-        p["wall_clock"] = wall_clock_plan(cfg, p, a.chips, a.tflops, a.mfu, a.bandwidth_gbps, a.latency_ms)
+        p["wall_clock"] = wall_clock_plan(cfg, p, a.chips, a.tflops or 300.0, a.mfu or 0.6, a.bandwidth_gbps,
+                                          a.latency_ms)
         print()
         print(format_wall_clock(p["wall_clock"]))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(p, f, indent=2)
+        _write_json(a.json, p)
     return 0
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    parent = next((q for q in [p.parent, *p.parent.parents] if q.exists()), None)
+    if p.is_dir():
+        raise RayDilocoError(f"{flag} {path}: is a directory (give a file path)")
+    if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
+        raise RayDilocoError(f"{flag} {path}: {parent} is not a writable directory")
 
 
 def _write_json(path: str, obj: object) -> None:
@@ -205,6 +229,7 @@ def _cmd_fit(a: argparse.Namespace) -> int:
 
     if a.starts < 1:
         raise RayDilocoError(f"--starts = {a.starts}: must be >= 1")
+    _check_output("--json", a.json)
     df = load_table(a.table)
     fits = fit_all(df, starts=a.starts)
     print(format_fits(fits))
@@ -235,19 +260,23 @@ def _cmd_predict(a: argparse.Namespace) -> int:
         raise RayDilocoError(f"--replicas = {a.replicas}: must be >= 0 (0: data-parallel)")
     if a.H is not None and a.H < 1:
         raise RayDilocoError(f"--H = {a.H}: must be >= 1")
+    _check_output("--json", a.json)
     src = Path(a.fits).expanduser()
     if a.fits == "paper":
         fits, origin = paper_fits(), "the published Scaling Laws for DiLoCo fits"
     elif src.is_file() and src.suffix == ".json":
         try:
             fits = json.loads(src.read_text())
-        except ValueError as e:
-            raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({e})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({str(e).splitlines()[0][:100]})") from None
         origin = str(src)
     elif src.is_dir() and (src / "fits.json").is_file():
         fits, origin = json.loads((src / "fits.json").read_text()), str(src / "fits.json")
-    else:
+    elif src.exists():
         fits, origin = fit_all(load_table(a.fits)), f"fits of {a.fits}"
+    else:
+        raise RayDilocoError(f"--fits {a.fits}: not found (give a fits.json from ray-diloco fit, a sweep directory, "
+                             "a .csv/.parquet table, or paper)")
     p = predict(fits, a.params, a.replicas, a.H)
     p["fits"] = origin
     print(format_prediction(p))
@@ -287,8 +316,12 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
                            step_time_s)
 
     problems = _simulate_problems(a)
+    if a.paper_table and a.plot:
+        problems.append("--plot: not drawn with --paper-table (it plots one model's utilisation; drop --paper-table)")
     if problems:
         raise UsageError(problems)
+    _check_output("--json", a.json)
+    _check_output("--plot", a.plot)
     targets = tuple(a.target or TARGETS)
     if a.paper_table:
         rows = paper_rows()

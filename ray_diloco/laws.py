@@ -170,12 +170,26 @@ def load_table(path: str | Path) -> Any:
     if "status" in df.columns:
         df = df[df["status"].isin(["TERMINATED"]) | df["status"].isna()]
     df = df.copy()
+    raw = df.copy()
     df["M"] = df["M"].map(lambda v: 0 if str(v).strip().lower() in ("dp", "0", "0.0") else v)
     for c in COLUMNS:
         df[c] = pd.to_numeric(df[c], errors="coerce")
-    df = df[np.isfinite(df["eval_loss"]) & np.isfinite(df["N"]) & (df["N"] > 0) & np.isfinite(df["M"])]
+    df = df[df["eval_loss"].notna()]  # a run without a loss (failed, unfinished) is no data point
     if df.empty:
-        raise DataError(f"{p}: no finished run with a finite eval loss")
+        raise DataError(f"{p}: no finished run with an eval loss")
+    rules = {"N": ("a number of parameters > 0", lambda v: np.isfinite(v) & (v > 0)),
+             "M": ("an integer >= 0 (0 or dp: data-parallel)", lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))),
+             "eval_loss": ("a finite loss > 0", lambda v: np.isfinite(v) & (v > 0)),
+             "inner_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+             "global_batch": ("a finite batch > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0)))}
+    for col, (allowed, ok) in rules.items():
+        bad = df.index[~ok(df[col])]
+        if len(bad):
+            i = bad[0]
+            v = raw.loc[i, col]
+            shown = repr(v) if isinstance(v, str) else v
+            raise DataError(f"{p}: row {i + 2}: {col} = {shown}: must be {allowed}"
+                            + (f" ({len(bad) - 1} more row(s) like it)" if len(bad) > 1 else ""))
     df["M"] = df["M"].astype(int)
     return df.reset_index(drop=True)
 
@@ -186,8 +200,8 @@ def algorithm_name(m: int) -> str:
 
 
 # -- one-dimensional fits ------------------------------------------------------------------------
-def fit_power_law(n: Any, y: Any) -> PowerLaw:
-    """Least squares in log-log space (``scipy.stats.linregress``).
+def fit_power_law(n: Any, y: Any, what: str = "y") -> PowerLaw:
+    """Least squares in log-log space (``scipy.stats.linregress``); ``what`` names y in errors.
 
     Raises:
         DataError: fewer than two distinct N, or a value <= 0.
@@ -195,8 +209,9 @@ def fit_power_law(n: Any, y: Any) -> PowerLaw:
     from scipy import stats
 
     n, y = np.asarray(n, dtype=float), np.asarray(y, dtype=float)
-    if len(np.unique(n)) < 2 or np.any(n <= 0) or np.any(y <= 0):
-        raise DataError(f"a power law needs values > 0 at two or more model sizes (got N = {sorted(set(n.tolist()))})")
+    if len(np.unique(n)) < 2 or np.any(n <= 0) or not np.all(np.isfinite(y) & (y > 0)):
+        raise DataError(f"a power law of {what} needs finite values > 0 at two or more model sizes "
+                        f"(got {what} = {[round(float(v), 6) for v in y][:8]})")
     r = stats.linregress(np.log(n), np.log(y))
     return PowerLaw(float(math.exp(r.intercept)), float(r.slope), float(r.rvalue ** 2))
 
@@ -211,13 +226,23 @@ def optimal_batch(rows: Any) -> float:
     """
     from scipy.optimize import curve_fit
 
+    import warnings
+
+    rows = rows[rows["global_batch"].notna() & (rows["global_batch"] > 0)]
+    if rows.empty:
+        return float("nan")  # the table does not record batches
     best = rows.groupby("global_batch")["eval_loss"].min()
     b, loss = np.log2(best.index.to_numpy(dtype=float)), best.to_numpy(dtype=float)
     fallback = float(2 ** b[int(np.argmin(loss))])
     if len(b) < 3:
         return fallback
-    (a, c, _), _ = curve_fit(lambda x, a, c, d: a * (x - c) ** 2 + d, b, loss,
-                             p0=(0.01, float(b[np.argmin(loss)]), float(loss.min())))
+    try:
+        with warnings.catch_warnings():  # three batches: no covariance estimate, which is not used
+            warnings.simplefilter("ignore")
+            (a, c, _), _ = curve_fit(lambda x, a, c, d: a * (x - c) ** 2 + d, b, loss,
+                                     p0=(0.01, float(b[np.argmin(loss)]), float(loss.min())))
+    except (RuntimeError, ValueError):  # no convergence: the best batch tried
+        return fallback
     if a <= 0 or not (b.min() - 1 <= c <= b.max() + 1):  # no minimum inside (or one step beyond) the grid
         return fallback
     return float(2 ** c)
@@ -244,9 +269,10 @@ def fit_independent(best: Any) -> dict[str, dict[str, PowerLaw]]:
     for m, g in best.groupby("M"):
         if g["N"].nunique() < 2:
             continue
-        laws[algorithm_name(m)] = {"loss": fit_power_law(g["N"], g["eval_loss"]),
-                                   "inner_lr": fit_power_law(g["N"], g["inner_lr"]),
-                                   "batch": fit_power_law(g["N"], g["optimal_batch"])}
+        laws[algorithm_name(m)] = {"loss": fit_power_law(g["N"], g["eval_loss"], "eval_loss")}
+        for q, col in (("inner_lr", "inner_lr"), ("batch", "optimal_batch")):  # when the table records them
+            if g[col].notna().all():
+                laws[algorithm_name(m)][q] = fit_power_law(g["N"], g[col], col)
     return laws
 
 
@@ -356,7 +382,7 @@ def optimal_outer_lr(df: Any) -> list[dict[str, Any]]:
     """For each (M, H) of the DiLoCo rows: the outer lr of the lowest loss at each N, and the
     one chosen (the most frequent over N; ties to the largest N's)."""
     out = []
-    d = df[df["M"] >= 1]
+    d = df[(df["M"] >= 1) & df["outer_lr"].notna() & df["H"].notna()]
     for (m, h), g in d.groupby(["M", "H"]):
         per_n = {float(n): float(gn.loc[gn["eval_loss"].idxmin(), "outer_lr"]) for n, gn in g.groupby("N")}
         values = list(per_n.values())
@@ -387,7 +413,8 @@ def fit_all(df: Any, starts: int = 64) -> dict[str, Any]:
     out["joint"], out["forms"], out["best_form"] = {}, {}, None
     if diloco["N"].nunique() >= 2 and diloco["M"].nunique() >= 2:
         out["joint"] = {q: fit_joint(diloco["N"], diloco["M"], diloco[col]).to_dict()
-                        for q, col in (("loss", "eval_loss"), ("inner_lr", "inner_lr"), ("batch", "optimal_batch"))}
+                        for q, col in (("loss", "eval_loss"), ("inner_lr", "inner_lr"), ("batch", "optimal_batch"))
+                        if diloco[col].notna().all()}
         if diloco["N"].nunique() >= 3:
             import sys
 
@@ -420,6 +447,10 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     Raises:
         DataError: nothing fitted for that algorithm.
     """
+    missing = [k for k in ("sizes", "replicas", "independent", "joint", "forms", "best_form", "outer_lr")
+               if not isinstance(fits, dict) or k not in fits]
+    if missing:
+        raise DataError(f"--fits: not fits written by ray-diloco fit (missing {', '.join(missing)})")
     name = algorithm_name(replicas)
     ind = fits["independent"].get(name)
     out: dict[str, Any] = {"params": float(params), "replicas": int(replicas), "algorithm": name}
@@ -434,10 +465,10 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
         raise DataError(f"--replicas {replicas}: the table has no {name} rows at two or more sizes to fit "
                         f"(fitted: {', '.join(fits['independent']) or 'none'})")
     for q in ("inner_lr", "batch"):
-        if ind is not None:
+        if ind is not None and q in ind:
             out[q] = float(PowerLaw(**ind[q])(params))
             out[f"{q}_from"] = f"A*N^alpha ({name})"
-        elif replicas >= 1 and fits["joint"]:
+        elif replicas >= 1 and q in fits["joint"]:
             out[q] = float(JointLaw(**fits["joint"][q])(params, replicas))
             out[f"{q}_from"] = "A*N^alpha*M^beta"
     out["global_batch"] = out.pop("batch", None)
@@ -445,8 +476,13 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     out["global_batch_unit"] = fits.get("batch_unit", "sequences")
     out["outer_lr"], out["outer_lr_from"] = None, None
     largest = max(fits["sizes"])
+    notes = []
     if params > 2 * largest:
-        out["extrapolation"] = f"N is {params / largest:.3g}x the largest size fitted ({largest:.3g})"
+        notes.append(f"N is {params / largest:.3g}x the largest size fitted ({largest:.3g})")
+    if replicas > max(fits["replicas"]):
+        notes.append(f"M = {replicas} is beyond the largest M fitted ({max(fits['replicas'])})")
+    if notes:
+        out["extrapolation"] = "; ".join(notes)
     if replicas >= 1 and fits["outer_lr"]:
         near = min(fits["outer_lr"], key=lambda r: (abs(math.log2(r["M"]) - math.log2(replicas)),
                                                     abs(r["H"] - H) if H is not None else -r["H"]))
@@ -462,9 +498,10 @@ def format_fits(fits: dict[str, Any]) -> str:
              f"{'algorithm':<10} {'loss A':>10} {'alpha':>9} {'r2':>7} {'inner lr A':>12} {'alpha':>9} {'batch A':>10} "
              f"{'alpha':>8}"]
     for k, v in fits["independent"].items():
+        lr, b = v.get("inner_lr"), v.get("batch")
         lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {v['loss']['r2']:>7.4f} "
-                     f"{v['inner_lr']['A']:>12.5g} {v['inner_lr']['alpha']:>9.4f} {v['batch']['A']:>10.4g} "
-                     f"{v['batch']['alpha']:>8.4f}")
+                     + (f"{lr['A']:>12.5g} {lr['alpha']:>9.4f} " if lr else f"{'-':>12} {'-':>9} ")
+                     + (f"{b['A']:>10.4g} {b['alpha']:>8.4f}" if b else f"{'-':>10} {'-':>8}"))
     if fits["joint"]:
         lines += ["", "joint laws y = A * N^alpha * M^beta (DiLoCo rows)"]
         for q, c in fits["joint"].items():

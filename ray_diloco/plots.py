@@ -22,11 +22,19 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    tmp.replace(path)  # a reader never sees half a PNG
+    """Write ``fig`` as a PNG at ``path`` atomically (via :func:`~ray_diloco.storage.write_bytes`).
+
+    Raises:
+        OSError: the path cannot be written (naming ``path``).
+    """
+    import io
+
+    from .storage import write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     _pyplot().close(fig)
+    write_bytes(str(path), buf.getvalue())  # a reader never sees half a PNG
     return path
 
 
@@ -85,14 +93,19 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
                                 (axes[1], "batch", "optimal_batch", "optimal global batch")):
         for m in fits["replicas"]:
             name = algorithm_name(m)
-            pts = [(r["N"], r[col]) for r in best if r["M"] == m]
+            pts = [(r["N"], r[col]) for r in best if r["M"] == m and r[col] == r[col]]  # not NaN
+            if not pts:
+                continue
             dots = ax.loglog(*zip(*pts), "o", label=name)[0]
-            if name in fits["independent"]:
+            if key in fits["independent"].get(name, {}):
                 law = PowerLaw(**fits["independent"][name][key])
                 ax.loglog(line, law(line), "-", color=dots.get_color(), lw=1)
         ax.set_xlabel("parameters N")
         ax.set_ylabel(label)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not in the table", ha="center", transform=ax.transAxes)
     fig.suptitle("optimal hyperparameters vs model size (lines: A N^alpha)")
     paths.append(_save(fig, out / "optimal_hparams.png"))
     return paths

@@ -167,6 +167,10 @@ def _check_param(key: str, p: Any, problems: list[str]) -> None:
     if kind in ("grid", "choice"):
         _need(isinstance(arg, list) and len(arg) >= 1, problems,
               f"{where}.{kind} = {arg!r}: must be a non-empty list of values")
+        _need(not isinstance(arg, list) or not any(isinstance(x, float) and not math.isfinite(x) for x in arg), problems,
+              f"{where}.{kind} = {arg!r}: numbers must be finite")
+        _need(not isinstance(arg, list) or len(arg) <= MAX_GRID, problems,
+              f"{where}.{kind}: {len(arg) if isinstance(arg, list) else 0} values, at most {MAX_GRID}")
     elif kind in ("uniform", "loguniform", "randint"):
         ok = isinstance(arg, list) and len(arg) == 2 and all(map(_number, arg)) and arg[0] < arg[1]
         ok = ok and (kind != "loguniform" or arg[0] > 0) and (kind != "randint" or all(float(x).is_integer() for x in arg))
@@ -236,8 +240,8 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
         spec.set[k.strip()] = v.strip()
     _check_options(spec, problems)
     if name is not None:
-        _need(bool(name) and set(name) <= NAME_CHARS and name not in (".", ".."), problems,
-              f"--name {name!r}: must be letters, digits, '.', '_' or '-' (it names a directory)")
+        _need(bool(name) and set(name) <= NAME_CHARS and name not in (".", "..") and len(name) <= 100, problems,
+              f"--name {name!r}: must be 1-100 letters, digits, '.', '_' or '-' (it names a directory)")
     if problems:
         raise ConfigError(problems)
     # swept and fixed keys must be config fields with values of the right type (checked with
@@ -290,8 +294,15 @@ def _check_options(spec: SweepSpec, problems: list[str]) -> None:
         problems.append(f"params = {spec.params!r}: must be a non-empty mapping of config fields to "
                         f"{{grid|choice|uniform|loguniform|randint|geometric: ...}}")
     else:
+        before = len(problems)
         for key, p in spec.params.items():
             _check_param(str(key), p, problems)
+        if len(problems) == before and _integer(spec.num_samples):
+            trials = spec.num_samples
+            for key in spec.params:
+                trials *= len(spec.grid_values(key) or [None])
+            _need(trials <= MAX_GRID, problems, f"params: the grids make {trials:,} trials (x num_samples); "
+                                                f"at most {MAX_GRID:,} per sweep")
 
 
 def _absolute_paths(spec: SweepSpec) -> None:
@@ -322,7 +333,10 @@ def load_spec(sweep_dir: str) -> SweepSpec:
     from .storage import is_uri, split_uri
 
     where = f"--resume {sweep_dir}"
-    text = read_text(join_uri(sweep_dir, SPEC_FILE))
+    try:
+        text = read_text(join_uri(sweep_dir, SPEC_FILE))
+    except (UnicodeDecodeError, OSError) as e:
+        raise ConfigError([f"{where}: {SPEC_FILE} cannot be read ({type(e).__name__})"]) from None
     if text is None:
         raise ConfigError([f"{where}: not a sweep directory (no {SPEC_FILE})"])
     try:

@@ -212,10 +212,18 @@ def write_bytes(uri_or_path: str, data: bytes) -> None:
     """Write a small file to a local path (atomically: temp file + rename) or a URI (one PUT)."""
     if not is_uri(uri_or_path):
         p = Path(uri_or_path).expanduser()
-        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_dir():
+            raise OSError(21, "Is a directory (give a file path)", str(p))
         tmp = p.with_name(p.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+        except OSError as e:  # name the file asked for, not the temporary one, and leave nothing behind
+            tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+            why = "a parent is not a directory" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+                (e.strerror or str(e))
+            raise OSError(e.errno, why, str(p)) from None
         return
     fs, path = filesystem(uri_or_path)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)

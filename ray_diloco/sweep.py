@@ -176,7 +176,12 @@ def tune(space: str | Path | None = None, overrides: list[str] | None = None, *,
         if space is None:
             raise ConfigError(["--space: required (a search-space YAML, for example tune_spaces/cpu_outer_lr.yaml)"])
         spec = load_space(space, overrides, name, storage_path, scheduler, search, num_samples, max_concurrent)
-    cfg0 = load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()], validate=False)
+    try:
+        cfg0 = load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()], validate=False)
+    except ConfigError as e:
+        if resume is None:
+            raise
+        raise ConfigError([f"--resume {resume}: {SPEC_FILE}: {line}" for line in e.problems]) from None
     if is_uri(spec.storage_path):
         spec.staging_dir = str(Path(cfg0.run.output_dir).expanduser().resolve() / "sweep-staging" / spec.name)
     if address is not None:

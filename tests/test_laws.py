@@ -170,12 +170,25 @@ def test_fit_and_predict_cli_write_json_and_plots(tmp_path):
     (["predict", "--params", "-1", "--replicas", "2"], "error: --params = -1.0: must be a finite number of parameters > 0"),
     (["predict", "--params", "1e9", "--replicas", "-2"], "error: --replicas = -2: must be >= 0"),
     (["fit", "MISSING_COLUMN"], "missing column(s) H"),
+    (["fit", "NEGATIVE_N"], "row 3: N = -5.0: must be a number of parameters > 0 (1 more row(s) like it)"),
+    (["predict", "--params", "1e9", "--replicas", "1", "--fits", "FOREIGN_JSON"],
+     "not fits written by ray-diloco fit (missing sizes, replicas, independent, joint, forms, best_form, outer_lr)"),
+    (["predict", "--params", "1e9", "--replicas", "1", "--fits", "nothere.json"],
+     "error: --fits nothere.json: not found (give a fits.json from ray-diloco fit, a sweep directory"),
+    (["simulate", "--json", "DIR"], "is a directory (give a file path)"),
+    (["plan", "--mfu", "0.5"], "error: --mfu: only used with --chips"),
 ])
 def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
+    df, _ = _synthetic_sweep()
     if args[-1] == "MISSING_COLUMN":
-        df, _ = _synthetic_sweep()
         df.drop(columns=["H"]).to_csv(tmp_path / "t.csv", index=False)
         args = ["fit", str(tmp_path / "t.csv")]
+    elif args[-1] == "NEGATIVE_N":
+        df.loc[[1, 5], "num_parameters"] = -5.0
+        df.to_csv(tmp_path / "t.csv", index=False)
+        args = ["fit", str(tmp_path / "t.csv")]
+    args = [str(tmp_path / "f.json") if x == "FOREIGN_JSON" else str(tmp_path) if x == "DIR" else x for x in args]
+    (tmp_path / "f.json").write_text('{"model": "gpt", "loss": 1.0}')
     out = run_cli(args, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr

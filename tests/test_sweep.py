@@ -53,6 +53,9 @@ def _space(tmp_path: Path, text: str) -> Path:
     ("params: {inner.lr: {grid: [1e-3]}}\nresources: {cpus_per_worker: .inf}\n",
      "resources.cpus_per_worker = inf: must be a finite number > 0"),
     ("params: [inner.lr]\n", "params = ['inner.lr']: must be a non-empty mapping"),
+    ("params: {outer.lr: {grid: [.nan, 0.4]}}\n", "params.outer.lr.grid = [nan, 0.4]: numbers must be finite"),
+    ("params: {inner.lr: {geometric: {start: 1.0e-4, factor: 1.01, count: 1000}}, inner.warmup_steps: "
+     "{geometric: {start: 1, factor: 1, count: 1000}}}\n", "params: the grids make 1,000,000 trials"),
 ])
 def test_bad_search_space_gives_one_line_naming_the_key(tmp_path, text, expected):
     with pytest.raises(ConfigError) as e:
@@ -68,12 +71,15 @@ def test_bad_name_space_path_and_saved_sweep_are_one_line(tmp_path):
 
     ok = _space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n")
     for name in ("../up", "a/b", ".", ""):
-        with pytest.raises(ConfigError, match=r"--name .*: must be letters, digits"):
+        with pytest.raises(ConfigError, match=r"--name .*: must be 1-100 letters, digits"):
             load_space(ok, name=name, storage_path=str(tmp_path))
     with pytest.raises(ConfigError, match="is a directory; expected a search-space YAML file"):
         load_space(tmp_path)
     sweep = tmp_path / "sw"
     sweep.mkdir()
+    (sweep / "sweep.yaml").write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(ConfigError, match="sweep.yaml cannot be read"):
+        load_spec(str(sweep))
     for text, expected in [("params: [unclosed\n", "sweep.yaml is not valid YAML"),
                            ("- 1\n", "sweep.yaml is not a saved sweep"),
                            ("params: {outer.lr: {grid: [0.4]}}\nbogus: 1\n", "sweep.yaml is not a saved sweep"),
