@@ -76,17 +76,22 @@ class Tracker:
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.wandb_run = None
             if mode == "online":
-                try:
-                    import wandb
+                import time
 
-                    wandb.teardown()  # the failed online run still holds the run id in this process
-                    self.wandb_run = self._init_wandb("offline")
-                    self.wandb_warning = (f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
-                                          "(upload later with `wandb sync`)")
-                    print(f"warning: {self.wandb_warning}", file=sys.stderr)
-                    return
-                except Exception as e2:
-                    why = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
+                import wandb
+
+                for attempt in range(3):  # the failed online run can hold the run id for a moment
+                    try:
+                        wandb.teardown()
+                        self.wandb_run = self._init_wandb("offline")
+                        self.wandb_warning = (f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
+                                              "(upload later with `wandb sync`)")
+                        print(f"warning: {self.wandb_warning}", file=sys.stderr)
+                        return
+                    except Exception as e2:
+                        last = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
+                        time.sleep(1.0 + attempt)
+                why = last
             self.wandb_warning = f"W&B disabled for this run ({why})"
             print(f"warning: {self.wandb_warning}", file=sys.stderr)
 
