@@ -174,10 +174,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     else:
         if a.chips < 1:
             bad.append(f"--chips = {a.chips}: must be an integer >= 1 (accelerators per replica)")
-        if a.tflops is not None and not (math.isfinite(a.tflops) and a.tflops > 0):
-            bad.append(f"--tflops = {a.tflops}: must be a finite number > 0")
-        if a.mfu is not None and not 0 < a.mfu <= 1:
-            bad.append(f"--mfu = {a.mfu}: must be in (0, 1]")
+        bad += _chip_problems(a.tflops, a.mfu)
         if a.bandwidth_gbps is not None and not (math.isfinite(a.bandwidth_gbps) and 1e-6 <= a.bandwidth_gbps <= 1e6):
             bad.append(f"--bandwidth-gbps = {a.bandwidth_gbps}: must be in [1e-6, 1e6] Gbit/s")
         if a.latency_ms is not None and not (math.isfinite(a.latency_ms) and 0 <= a.latency_ms <= 60_000):
@@ -249,7 +246,6 @@ def _cmd_fit(a: argparse.Namespace) -> int:
 
 def _cmd_predict(a: argparse.Namespace) -> int:
     import json
-    import math
     from pathlib import Path
 
     from .laws import fit_all, format_prediction, load_table, paper_fits, predict
@@ -262,6 +258,8 @@ def _cmd_predict(a: argparse.Namespace) -> int:
         raise RayDilocoError(f"--H = {a.H}: must be >= 1")
     _check_output("--json", a.json)
     src = Path(a.fits).expanduser()
+    if src.is_dir() and (src / "fits.json").is_file():  # a sweep (or --out) directory that fit wrote into
+        src = src / "fits.json"
     if a.fits == "paper":
         fits, origin = paper_fits(), "the published Scaling Laws for DiLoCo fits"
     elif src.is_file() and src.suffix == ".json":
@@ -270,8 +268,6 @@ def _cmd_predict(a: argparse.Namespace) -> int:
         except (ValueError, UnicodeDecodeError) as e:
             raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({str(e).splitlines()[0][:100]})") from None
         origin = str(src)
-    elif src.is_dir() and (src / "fits.json").is_file():
-        fits, origin = json.loads((src / "fits.json").read_text()), str(src / "fits.json")
     elif src.exists():
         fits, origin = fit_all(load_table(a.fits)), f"fits of {a.fits}"
     else:
@@ -286,19 +282,28 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     return 0
 
 
+def _chip_problems(tflops: float | None, mfu: float | None) -> list[str]:
+    """One line per invalid ``--tflops`` / ``--mfu`` (None: not given), for plan and simulate."""
+    bad = []
+    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
+        bad.append(f"--tflops = {tflops}: must be a finite number > 0")
+    if mfu is not None and not 0 < mfu <= 1:
+        bad.append(f"--mfu = {mfu}: must be in (0, 1]")
+    return bad
+
+
 def _simulate_problems(a: argparse.Namespace) -> list[str]:
     """One line per invalid ``simulate`` option."""
     bad = []
     for t in a.target or []:
         if not 0 < t < 1:
             bad.append(f"--target = {t}: must be a utilisation in (0, 1), for example 0.95")
-    for name, v in (("--params", a.params), ("--tokens-per-step", a.tokens_per_step), ("--tflops", a.tflops)):
+    for name, v in (("--params", a.params), ("--tokens-per-step", a.tokens_per_step)):
         if not (math.isfinite(v) and v > 0):
             bad.append(f"{name} = {v}: must be a finite number > 0")
     if a.step_s is not None and not (math.isfinite(a.step_s) and a.step_s > 0):
         bad.append(f"--step-s = {a.step_s}: must be a finite number of seconds > 0")
-    if not 0 < a.mfu <= 1:
-        bad.append(f"--mfu = {a.mfu}: must be in (0, 1]")
+    bad += _chip_problems(a.tflops, a.mfu)
     for name, v, low in (("--layers", a.layers, 1), ("--chips", a.chips, 1), ("--H", a.H, 1), ("--tau", a.tau, 0),
                          ("--layers-per-fragment", a.layers_per_fragment, 1)):
         if v < low:

@@ -127,14 +127,7 @@ def paper_fits(starts: int = 8, cached: bool = True) -> dict[str, Any]:
     diloco = df[df["M"] >= 1]
     out["joint"] = {"loss": fit_joint(diloco["N"], diloco["M"], diloco["eval_loss"]).to_dict(),
                     **{q: dict(zip(("A", "alpha", "beta"), v)) for q, v in PAPER_JOINT.items() if q != "loss"}}
-    out["forms"] = {}
-    for name in FORMS:
-        fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
-        loo = leave_one_size_out(diloco, name, starts=starts)
-        out["forms"][name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta), "objective": fit.objective,
-                              "residual_by_N": {str(k): v for k, v in loo.items()},
-                              "residual": float(np.mean(list(loo.values())))}
-    out["best_form"] = min(out["forms"], key=lambda k: out["forms"][k]["residual"])
+    out["forms"], out["best_form"] = fit_forms(diloco, starts)
     return out
 
 
@@ -378,6 +371,19 @@ def leave_one_size_out(diloco: Any, form: str, starts: int = 64) -> dict[float, 
     return out
 
 
+def fit_forms(diloco: Any, starts: int) -> tuple[dict[str, Any], str]:
+    """Every form of :data:`FORMS` fitted on the DiLoCo rows (columns N, M, eval_loss) and scored
+    by :func:`leave_one_size_out`. Returns ``({form: {"coefficients", "theta", "objective",
+    "residual_by_N", "residual"}}, best form by mean residual)``."""
+    forms = {}
+    for name in FORMS:
+        fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
+        loo = leave_one_size_out(diloco, name, starts=starts)
+        forms[name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta), "objective": fit.objective,
+                       "residual_by_N": {str(k): v for k, v in loo.items()}, "residual": float(np.mean(list(loo.values())))}
+    return forms, min(forms, key=lambda k: forms[k]["residual"])
+
+
 def optimal_outer_lr(df: Any) -> list[dict[str, Any]]:
     """For each (M, H) of the DiLoCo rows: the outer lr of the lowest loss at each N, and the
     one chosen (the most frequent over N; ties to the largest N's)."""
@@ -420,13 +426,7 @@ def fit_all(df: Any, starts: int = 64) -> dict[str, Any]:
 
             print(f"fitting {len(FORMS)} parametric forms, each on all sizes and with each of the "
                   f"{diloco['N'].nunique()} sizes held out ({starts} starts per fit) ...", file=sys.stderr)
-            for name in FORMS:
-                fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
-                loo = leave_one_size_out(diloco, name, starts=starts)
-                out["forms"][name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta),
-                                      "objective": fit.objective, "residual_by_N": {str(k): v for k, v in loo.items()},
-                                      "residual": float(np.mean(list(loo.values())))}
-            out["best_form"] = min(out["forms"], key=lambda k: out["forms"][k]["residual"])
+            out["forms"], out["best_form"] = fit_forms(diloco, starts)
     out["outer_lr"] = optimal_outer_lr(df)
     out["best_rows"] = best.to_dict(orient="records")
     seq = sorted(df["seq_len"].dropna().unique()) if "seq_len" in df.columns else []

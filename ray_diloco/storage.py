@@ -220,7 +220,8 @@ def write_bytes(uri_or_path: str, data: bytes) -> None:
             tmp.write_bytes(data)
             os.replace(tmp, p)
         except OSError as e:  # name the file asked for, not the temporary one, and leave nothing behind
-            tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+            if tmp.parent.is_dir():
+                tmp.unlink(missing_ok=True)
             why = "a parent is not a directory" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
                 (e.strerror or str(e))
             raise OSError(e.errno, why, str(p)) from None

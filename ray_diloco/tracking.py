@@ -90,7 +90,8 @@ class Tracker:
                         return
                     except Exception as e2:
                         last = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
-                        time.sleep(1.0 + attempt)
+                        if attempt < 2:
+                            time.sleep(1.0 + attempt)
                 why = last
             self.wandb_warning = f"W&B disabled for this run ({why})"
             print(f"warning: {self.wandb_warning}", file=sys.stderr)
