@@ -80,12 +80,15 @@ class Tracker:
 
                 import wandb
 
-                for attempt in range(3):  # the failed online run can hold the run id for a moment
+                for attempt in range(3):
+                    # the failed online run can keep holding its run id ("run ID is in use"): after one
+                    # retry under the run's own id, log offline under a new one
+                    run_id = self._wandb_id() if attempt < 2 else self._wandb_id() + "-offline"
                     try:
                         wandb.teardown()
-                        self.wandb_run = self._init_wandb("offline")
+                        self.wandb_run = self._init_wandb("offline", run_id)
                         self.wandb_warning = (f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
-                                              "(upload later with `wandb sync`)")
+                                              f"as run {run_id} (upload later with `wandb sync`)")
                         print(f"warning: {self.wandb_warning}", file=sys.stderr)
                         return
                     except Exception as e2:
@@ -96,7 +99,7 @@ class Tracker:
             self.wandb_warning = f"W&B disabled for this run ({why})"
             print(f"warning: {self.wandb_warning}", file=sys.stderr)
 
-    def _init_wandb(self, mode: str) -> Any:
+    def _init_wandb(self, mode: str, run_id: str | None = None) -> Any:
         t = self.cfg.tracking
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -105,7 +108,7 @@ class Tracker:
             return wandb.init(
                 project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
                 tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
-                id=self._wandb_id(), resume="allow",
+                id=run_id or self._wandb_id(), resume="allow",
                 # flush the offline log every second (default 15 s): a process killed without
                 # finishing (a trial stopped by ASHA, SIGKILL) keeps its history up to then
                 settings=wandb.Settings(silent=True, console="off", init_timeout=t.init_timeout_s,
