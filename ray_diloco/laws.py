@@ -289,18 +289,30 @@ def fit_joint(n: Any, m: Any, y: Any) -> JointLaw:
 @dataclass(frozen=True)
 class Form:
     """A parametric loss form. ``log_loss(theta, n, m)`` returns log L for N in parameters and M
-    in replicas; ``theta`` holds log A (and log B, log C) so that A, B, C stay positive, with N
-    entering as N / :data:`N0`."""
+    in replicas. ``theta`` holds log A' (and log B, log C) so that the scales stay positive, where
+    A' = A * N0^alpha is the scale at N = :data:`N0`: the fit works with log(N / N0) (well
+    conditioned) while the family is exactly the paper's, N in parameters. That matters for
+    ``A*N^(alpha+beta*M)+C``: its M-dependence N^(beta*M) changes with the unit of N, so it is
+    written as A' (N/N0)^alpha (N/N0)^(beta*M) N0^(beta*M), which is A N^(alpha+beta*M)."""
 
     name: str
     params: tuple[str, ...]
     log_loss: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+    scale: tuple[tuple[str, float], ...] = ()  # (coefficient, s): theta holds s x the coefficient
 
     def coefficients(self, theta: np.ndarray) -> dict[str, float]:
-        return {k: float(math.exp(v)) if k in ("A", "B", "C") else float(v) for k, v in zip(self.params, theta)}
+        """The coefficients for N in parameters (the paper's convention: A = A' / N0^alpha)."""
+        c = {k: float(v) for k, v in zip(self.params, theta)}
+        for k, s in self.scale:
+            c[k] /= s
+        for k in ("A", "B", "C"):
+            if k in c:
+                c[k] = math.exp(c[k] - (c["alpha"] * math.log(N0) if k == "A" else 0.0))
+        return c
 
 
-N0 = 1e9  # the forms take N in billions of parameters (N / N0): better conditioned, and A reads as L at 1B
+N0 = 1e9  # the fits work with log(N / N0), N0 = 1B parameters: better conditioned than raw N
+LOG_N0 = math.log(N0)
 
 
 FORMS = {
@@ -308,8 +320,11 @@ FORMS = {
                              lambda t, n, m: t[0] + t[1] * np.log(n / N0) + t[2] * np.log(m)),
     "A*N^alpha*M^beta+C": Form("A*N^alpha*M^beta+C", ("A", "alpha", "beta", "C"),
                                lambda t, n, m: np.logaddexp(t[0] + t[1] * np.log(n / N0) + t[2] * np.log(m), t[3])),
+    # beta M log N = (beta log N0) M (1 + log(N/N0) / log N0): theta holds beta log N0 (conditioning)
     "A*N^(alpha+beta*M)+C": Form("A*N^(alpha+beta*M)+C", ("A", "alpha", "beta", "C"),
-                                 lambda t, n, m: np.logaddexp(t[0] + (t[1] + t[2] * m) * np.log(n / N0), t[3])),
+                                 lambda t, n, m: np.logaddexp(t[0] + t[1] * np.log(n / N0)
+                                                              + t[2] * m * (1.0 + np.log(n / N0) / LOG_N0), t[3]),
+                                 scale=(("beta", LOG_N0),)),
     "A*N^alpha+B*M^beta+C": Form("A*N^alpha+B*M^beta+C", ("A", "alpha", "B", "beta", "C"),
                                  lambda t, n, m: np.logaddexp(np.logaddexp(t[0] + t[1] * np.log(n / N0),
                                                                            t[2] + t[3] * np.log(m)), t[4])),
@@ -318,7 +333,7 @@ FORMS = {
 
 @dataclass(frozen=True)
 class FormFit:
-    """A fitted :class:`Form`: ``theta`` (internal), the coefficients (for N in billions of
+    """A fitted :class:`Form`: ``theta`` (internal), the coefficients (for N in
     parameters), and the Huber objective at the optimum."""
 
     form: str
@@ -508,7 +523,7 @@ def format_fits(fits: dict[str, Any]) -> str:
             lines.append(f"  {q:<9} A = {c['A']:.5g}, alpha = {c['alpha']:.4f}, beta = {c['beta']:.4f}")
     if fits["forms"]:
         sizes = list(next(iter(fits["forms"].values()))["residual_by_N"])
-        lines += ["", "parametric forms L(N, M) (N in billions), Huber on log L; leave-one-size-out |residual| "
+        lines += ["", "parametric forms L(N, M) (N in parameters), Huber on log L; leave-one-size-out |residual| "
                   "per held-out N",
                   f"{'form':<22} {'mean':>8} " + " ".join(f"{float(s):>8.3g}" for s in sizes)]
         for name, f in fits["forms"].items():
