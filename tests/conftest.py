@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -35,6 +36,43 @@ def tiny_overrides(tmp_path: Path, **extra) -> dict:
         section, name = key.split("__")
         cfg.setdefault(section, {})[name] = value
     return cfg
+
+
+class TorchLM(torch.nn.Module):
+    """A tiny pure-torch decoder (token + position embeddings, pre-norm blocks of causal attention
+    and a GELU MLP, final norm, head): ``[B, T]`` int64 ids to ``[B, T, vocab]`` fp32 logits.
+
+    Tests of the DiLoCo machinery (outer steps, elasticity, streaming) train it instead of the
+    transformers presets: a Ray actor that builds it imports no transformers, which saves about 4 s
+    of CPU per actor on this machine. Its blocks are ``blocks.<i>.``, so fragments follow them.
+    The transformers path is what the CLI, export and model tests train."""
+
+    def __init__(self, shape: dict, vocab_size: int):
+        super().__init__()
+        d, self.heads = shape["d_model"], shape["n_heads"]
+        self.embed = torch.nn.Embedding(vocab_size, d)
+        self.pos = torch.nn.Embedding(shape["context"], d)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm1": torch.nn.LayerNorm(d), "qkv": torch.nn.Linear(d, 3 * d), "proj": torch.nn.Linear(d, d),
+            "norm2": torch.nn.LayerNorm(d), "up": torch.nn.Linear(d, shape["d_ff"]),
+            "down": torch.nn.Linear(shape["d_ff"], d)}) for _ in range(shape["n_layers"]))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        x = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](a.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["down"](torch.nn.functional.gelu(blk["up"](blk["norm2"](x))))
+        return self.head(self.norm(x))
+
+
+def torch_lm(shape: dict, vocab_size: int) -> torch.nn.Module:
+    """``model_fn`` building :class:`TorchLM` from the resolved model shape."""
+    return TorchLM(shape, vocab_size)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ClusterError
@@ -132,7 +132,7 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
 
 
 def _trainer(cfg, corpus, resume_state=None):
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, None, resume_state)
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, torch_lm, resume_state)
     t.start()
     return t
 

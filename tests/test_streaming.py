@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, tiny_overrides
+from conftest import run_cli, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.errors import ConfigError
@@ -208,7 +208,7 @@ def two_blocks_fn(shape, vocab_size):
     return TwoBlocks(vocab_size)
 
 
-def _trainer(cfg, corpus, model_fn=None, resume_state=None):
+def _trainer(cfg, corpus, model_fn=torch_lm, resume_state=None):
     t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn, resume_state)
     t.start()
     return t
@@ -321,7 +321,7 @@ def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_sess
                                      streaming__fragments=1, streaming__overlap_steps=0,
                                      streaming__quantization="none"))
     ref = ray.remote(num_cpus=1)(_core_diloco_reference).remote(cfg.to_dict(), corpus.train, corpus.vocab_size, 3)
-    t = _trainer(cfg, corpus)
+    t = _trainer(cfg, corpus, None)  # the transformers preset, as the reference builds it
     try:
         ours = [t._round(k)["global_sha256"] for k in (1, 2, 3)]
     finally:
@@ -450,11 +450,11 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     over = tiny_overrides(tmp_path, run__name="ext", run__steps=16, diloco__H=8, run__eval_every=0,
                           run__checkpoint_every=0, streaming__fragments=2, streaming__overlap_steps=1,
                           streaming__quantization="int8", tracking__wandb=False)
-    first = ray_diloco.train(over, corpus=corpus)
+    first = ray_diloco.train(over, corpus=corpus, model_fn=torch_lm)
     assert first["inner_steps"] == 16
     # fragment 1 (phase 4) last sent at 12 and merged at 13 < T, so it closed with a send at 16; its
     # next regular send is at 20 in the extended schedule
-    more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=32"], corpus=corpus)
+    more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=32"], corpus=corpus, model_fn=torch_lm)
     assert more["inner_steps"] == 32 and more["outer_steps"] == 4 and np.isfinite(more["final_eval_loss"])
     assert more["communication"]["bytes_up_per_replica"] > first["communication"]["bytes_up_per_replica"]
     step, _ = latest_checkpoint(first["run_dir"])
