@@ -310,8 +310,12 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         summary = {}
         if run_dir and (Path(run_dir) / "summary.json").is_file():  # written when the run finished
             summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        if m.get("outer_step") is None and run_dir:  # interrupted before Tune kept a result
+            m = {**_last_metrics(Path(run_dir)), **{k: v for k, v in m.items() if v is not None}}
         if status == "TERMINATED" and not summary and m.get("outer_step") is not None:
             row["status"] = "STOPPED"  # by the scheduler (ASHA) before its last outer step
+        elif status in ("PENDING", "RUNNING", "PAUSED") and not summary and m.get("outer_step") is not None:
+            row["status"] = "INTERRUPTED"  # started, then the sweep was interrupted: --resume continues it
         row.update({
             "algorithm": cfg.algorithm if cfg else None,
             "model": cfg.model.preset if cfg else None,
@@ -359,6 +363,33 @@ def _saved_statuses(sweep_dir: str) -> dict[str, str]:
         return {}
     finally:
         log.setLevel(level)
+
+
+def _last_metrics(run_dir: Path) -> dict[str, Any]:
+    """A trial's metrics (as it reports them to Tune) from its run's ``metrics.jsonl``: the last
+    outer step's, with the best eval loss so far; ``{}`` when it has none."""
+    import json
+
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the interruption
+        if isinstance(row, dict) and row.get("outer_step") is not None:
+            rows.append(row)
+    if not rows:
+        return {}
+    last = rows[-1]
+    evals = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
+    return {"outer_step": last["outer_step"], "inner_step": last.get("inner_step"), "eval_loss": last.get("eval_loss"),
+            "best_eval_loss": min(evals) if evals else None, "train_loss": last.get("train_loss"),
+            "tokens": last.get("tokens"), "bytes_sent": last.get("bytes_sent_total"),
+            "bytes_received": last.get("bytes_received_total"), "run_dir": str(run_dir)}
 
 
 def _num_parameters(run_dir: str | None) -> int | None:

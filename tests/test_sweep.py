@@ -3,6 +3,7 @@ interrupted and resumed, W&B offline runs per trial, a failing trial and a broke
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -222,6 +223,9 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
     assert f"continue it with ray-diloco tune --resume {sweep}" in out
     first = pd.read_csv(sweep / "results.csv")
     assert 2 <= len(first) <= 6 and (first["status"] != "TERMINATED").any() and "Traceback" not in out
+    live = first[first["status"] == "INTERRUPTED"]  # the trial that was mid-run: its metrics so far
+    assert len(live) >= 1 and live["outer_steps"].notna().all() and live["final_eval_loss"].notna().all(), first
+    assert " interrupted" in out
     broken_wandb = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
     resumed = run_cli(["tune", "--resume", str(sweep)], env=broken_wandb, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -261,3 +265,21 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
         assert logged == pytest.approx([m["eval_loss"] for m in metrics], rel=1e-9)
         resumed_trials += len(logs) > 1
     assert resumed_trials >= 1, "no trial was interrupted mid-run and resumed"
+
+
+def test_last_metrics_of_an_interrupted_trial_come_from_its_run(tmp_path):
+    """A trial stopped by an interruption before Tune kept its result: its row is filled from its
+    run's metrics.jsonl (last outer step, best eval loss so far), a line cut short is skipped."""
+    from ray_diloco.sweep import _last_metrics
+
+    rows = [{"outer_step": 1, "inner_step": 5, "eval_loss": 3.5, "train_loss": 3.6, "tokens": 320,
+             "bytes_sent_total": 10, "bytes_received_total": 12},
+            {"outer_step": 2, "inner_step": 10, "eval_loss": 3.2, "train_loss": 3.3, "tokens": 640,
+             "bytes_sent_total": 20, "bytes_received_total": 24},
+            {"outer_step": 3, "inner_step": 15, "eval_loss": 3.4, "train_loss": 3.1, "tokens": 960,
+             "bytes_sent_total": 30, "bytes_received_total": 36}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"outer_step": 4, "inn')
+    m = _last_metrics(tmp_path)
+    assert (m["outer_step"], m["eval_loss"], m["best_eval_loss"], m["tokens"], m["bytes_sent"], m["bytes_received"]) \
+        == (3, 3.4, 3.2, 960, 30, 36)
+    assert _last_metrics(tmp_path / "missing") == {}
