@@ -12,7 +12,7 @@ import torch
 
 from .config import Config
 from .errors import CheckpointError
-from .fragments import param_specs, unflatten_into
+from .fragments import Fragment, param_specs, unflatten_into
 from .model import ModelFn
 
 
@@ -48,24 +48,68 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
     return model
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.ndarray], vocab_size: int,
+                     out_dir: Path) -> None:
+    """A transformers checkpoint of a preset model without building the model: ``config.json``,
+    ``generation_config.json`` and the parameters as safetensors (``huggingface_hub``'s
+    ``save_torch_state_dict``, sharded at 5 GB like ``save_pretrained``), named as in the
+    model. No model is built (nor its modelling code imported, nor its weights initialised) in
+    the process that exports, which can be the run's driver on a CPU-only head node.
+
+    Args:
+        fragments: the run's fragment plan (names and shapes, exchange order); ``params`` one fp32
+            array ``[numel_p]`` per fragment.
+    """
+    from huggingface_hub import save_torch_state_dict
+    from transformers import GenerationConfig
+
+    from .model import hf_config, resolve_model_shape
+
+    check_sizes(fragments, params)
+    shape = resolve_model_shape(cfg.model, vocab_size)
+    config = hf_config(shape)
+    config.architectures = [ARCHITECTURES[shape["family"]]]
+    config.dtype = torch.float32
+    config.save_pretrained(str(out_dir))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
+    tensors: dict[str, torch.Tensor] = {}
+    for f, arr in zip(fragments, params):
+        flat = np.asarray(arr, dtype=np.float32)
+        off = 0
+        for p in f.params:  # a copy each: safetensors stores whole storages, not views of a fragment
+            tensors[p.name] = torch.tensor(flat[off : off + p.numel]).view(p.shape)
+            off += p.numel
+    save_torch_state_dict(tensors, str(out_dir))
+
+
 def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokenizer: Any, out_dir: Path,
-                 model_fn: ModelFn | None = None) -> Path:
-    """Write the global model: ``save_pretrained`` (+ tokenizer) for transformers models, so
-    ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; ``model.pt`` (state dict) otherwise."""
+                 model_fn: ModelFn | None = None, fragments: list[Fragment] | None = None) -> Path:
+    """Write the global model atomically (a ``.tmp`` directory renamed): a transformers checkpoint
+    (+ tokenizer) for the presets, so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it
+    (:func:`write_pretrained` when the run's ``fragments`` are given, else the model's own
+    ``save_pretrained``); ``model.pt`` (the state dict) for a ``model_fn`` model."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = model_with_params(cfg, params, vocab_size, model_fn)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(str(tmp))
+    if model_fn is None and fragments is not None:
+        write_pretrained(cfg, fragments, params, vocab_size, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     else:
-        torch.save(model.state_dict(), tmp / "model.pt")
+        model = model_with_params(cfg, params, vocab_size, model_fn)
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+        else:
+            torch.save(model.state_dict(), tmp / "model.pt")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)

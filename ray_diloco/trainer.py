@@ -732,7 +732,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         timing = trainer.run(tracker)
         final_loss = trainer.state.last_eval
         export_dir = export_model(cfg, trainer.global_params(), corpus.vocab_size, corpus.tokenizer,
-                                  run_dir / "final", model_fn)
+                                  run_dir / "final", model_fn, trainer.fragments)
         st = trainer.state
         summary = {
             "final_eval_loss": final_loss,
