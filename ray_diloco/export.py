@@ -51,8 +51,17 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+def for_inference(config: Any, tokenizer: Any) -> None:
+    """Set an exported model config's special-token ids from the run's tokenizer (None where it has
+    none: the char-level tokenizer has no BOS/EOS, and the config defaults 1 and 2 would make
+    ``generate`` stop at whichever characters have those ids) and turn the KV cache back on."""
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, key, getattr(tokenizer, key, None) if tokenizer is not None else None)
+    config.use_cache = True
+
+
 def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.ndarray], vocab_size: int,
-                     out_dir: Path) -> None:
+                     out_dir: Path, tokenizer: Any = None) -> None:
     """A transformers checkpoint of a preset model without building the model: ``config.json``,
     ``generation_config.json`` and the parameters as safetensors (``huggingface_hub``'s
     ``save_torch_state_dict``, sharded at 5 GB like ``save_pretrained``), named as in the
@@ -73,6 +82,7 @@ def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.nda
     config = hf_config(shape)
     config.architectures = [ARCHITECTURES[shape["family"]]]
     config.dtype = torch.float32
+    for_inference(config, tokenizer)
     config.save_pretrained(str(out_dir))
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
     tensors: dict[str, torch.Tensor] = {}
@@ -99,12 +109,18 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     if model_fn is None and fragments is not None:
-        write_pretrained(cfg, fragments, params, vocab_size, tmp)
+        write_pretrained(cfg, fragments, params, vocab_size, tmp, tokenizer)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     else:
         model = model_with_params(cfg, params, vocab_size, model_fn)
         if hasattr(model, "save_pretrained"):
+            if getattr(model, "config", None) is not None and tokenizer is not None:
+                for_inference(model.config, tokenizer)
+                if getattr(model, "generation_config", None) is not None:
+                    from transformers import GenerationConfig
+
+                    model.generation_config = GenerationConfig.from_model_config(model.config)
             model.save_pretrained(str(tmp))
             if tokenizer is not None:
                 tokenizer.save_pretrained(str(tmp))

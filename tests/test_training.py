@@ -153,6 +153,12 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     assert total / count == pytest.approx(ckpt_loss, abs=1e-6)
     # both ranks of the replica held identical parameters: the DDP run is reproducible from rank 0
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "tokenizer.json").is_file()
+    # ready for transformers' generate: the char tokenizer has no EOS, so nothing stops it early, and
+    # the KV cache is on
+    assert model.config.eos_token_id is None and model.generation_config.eos_token_id is None
+    assert model.config.use_cache and model.generation_config.use_cache
+    out = model.generate(torch.zeros((1, 1), dtype=torch.long), max_new_tokens=12, do_sample=True, top_k=0)
+    assert out.shape == (1, 13)
 
 
 def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
