@@ -105,8 +105,7 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
 
     hf_logging.disable_progress_bar()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove(tmp)
     tmp.mkdir(parents=True)
     if model_fn is None and fragments is not None:
         write_pretrained(cfg, fragments, params, vocab_size, tmp, tokenizer)
@@ -126,7 +125,18 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
                 tokenizer.save_pretrained(str(tmp))
         else:
             torch.save(model.state_dict(), tmp / "model.pt")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+    old = out_dir.with_name(out_dir.name + ".old")  # swap: a kill leaves the old export or the new one
+    _remove(old)
+    if out_dir.exists() or out_dir.is_symlink():
+        os.rename(out_dir, old)
     os.rename(tmp, out_dir)
+    _remove(old)
     return out_dir
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory tree, a file or a link (not what a link points to); nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

@@ -174,7 +174,11 @@ def load_table(path: str | Path) -> Any:
              "M": ("an integer >= 0 (0 or dp: data-parallel)", lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))),
              "eval_loss": ("a finite loss > 0", lambda v: np.isfinite(v) & (v > 0)),
              "inner_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
-             "global_batch": ("a finite batch > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0)))}
+             "global_batch": ("a finite batch > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+             "H": ("an integer >= 1 (inner steps per outer step), or empty",
+                   lambda v: v.isna() | (np.isfinite(v) & (v >= 1) & (v == np.round(v)))),
+             "outer_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+             "tokens": ("a finite number of tokens >= 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v >= 0)))}
     for col, (allowed, ok) in rules.items():
         bad = df.index[~ok(df[col])]
         if len(bad):
@@ -490,10 +494,12 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     out["global_batch_from"] = out.pop("batch_from", None)
     out["global_batch_unit"] = fits.get("batch_unit", "sequences")
     out["outer_lr"], out["outer_lr_from"] = None, None
-    largest = max(fits["sizes"])
+    largest, smallest = max(fits["sizes"]), min(fits["sizes"])
     notes = []
     if params > 2 * largest:
         notes.append(f"N is {params / largest:.3g}x the largest size fitted ({largest:.3g})")
+    elif params < smallest / 2:
+        notes.append(f"N is below the smallest size fitted ({smallest:.3g})")
     if replicas > max(fits["replicas"]):
         notes.append(f"M = {replicas} is beyond the largest M fitted ({max(fits['replicas'])})")
     if notes:

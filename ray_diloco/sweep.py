@@ -310,11 +310,16 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         summary = {}
         if run_dir and (Path(run_dir) / "summary.json").is_file():  # written when the run finished
             summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        if m.get("outer_step") is None and run_dir:  # interrupted before Tune kept a result
-            m = {**_last_metrics(Path(run_dir)), **{k: v for k, v in m.items() if v is not None}}
+        last = _last_metrics(Path(run_dir)) if run_dir else {}
+        if last and (m.get("outer_step") is None or last["outer_step"] > m["outer_step"]):
+            # the run's own record is ahead of Tune's last result (an interruption came between them)
+            m = {**m, **last}
+        started = bool(run_dir) and (Path(run_dir) / "config.yaml").is_file()
         if status == "TERMINATED" and not summary and m.get("outer_step") is not None:
             row["status"] = "STOPPED"  # by the scheduler (ASHA) before its last outer step
-        elif status in ("PENDING", "RUNNING", "PAUSED") and not summary and m.get("outer_step") is not None:
+        elif status in ("PENDING", "RUNNING", "PAUSED") and summary:
+            row["status"] = "TERMINATED"  # it finished while the sweep was being interrupted
+        elif status in ("PENDING", "RUNNING", "PAUSED") and started:
             row["status"] = "INTERRUPTED"  # started, then the sweep was interrupted: --resume continues it
         row.update({
             "algorithm": cfg.algorithm if cfg else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -211,6 +212,30 @@ def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
     out = run_cli(args, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("col, value, expected", [
+    ("H", float("inf"), "row 5: H = inf: must be an integer >= 1"),
+    ("H", 0, "row 5: H = 0: must be an integer >= 1"),
+    ("H", 2.5, "row 5: H = 2.5: must be an integer >= 1"),
+    ("outer_lr", -0.5, "row 5: outer_lr = -0.5: must be a finite lr > 0"),
+    ("tokens", float("inf"), "row 5: tokens = inf: must be a finite number of tokens >= 0"),
+])
+def test_bad_h_outer_lr_or_tokens_in_a_table_are_refused(tmp_path, col, value, expected):
+    """Found by a break-it pass: an infinite H crashed the outer-lr table with a traceback, and a
+    negative or infinite outer lr could come out as the best one."""
+    df, _ = _synthetic_sweep()
+    df[col] = df[col].astype(object)
+    df.loc[3, col] = value
+    df.to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(DataError, match=re.escape(expected)):
+        load_table(tmp_path / "t.csv")
+
+
+def test_predict_flags_a_size_below_the_fitted_range():
+    p = predict(paper_fits(), 1e6, 2)
+    assert "below the smallest size fitted" in p["extrapolation"]
+    assert "extrapolation" not in predict(paper_fits(), 1e9, 2)
 
 
 def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):

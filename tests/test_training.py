@@ -255,3 +255,23 @@ def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(r
     assert summary["inner_steps"] == 10 and summary["config"]["run"]["seed"] == 3
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["outer_step"] for r in rows] == [1, 2] and rows[0]["train_loss"] != 9.9
+
+
+def test_export_replaces_what_is_at_final_and_leaves_no_temporary(tmp_path):
+    """The export swaps the new model in (``final.tmp`` renamed, the old one moved to
+    ``final.old`` and then deleted): a previous export, or a file in the way (found by a break-it
+    pass: it failed the run after training), is replaced, and nothing temporary is left."""
+    from ray_diloco.export import export_model
+
+    cfg = load_config(tiny_overrides(tmp_path))
+    model = odd_model_fn(None, 11)
+    params = [torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()]
+    out = tmp_path / "final"
+    out.write_text("in the way")
+    export_model(cfg, params, 11, None, out, odd_model_fn)
+    (out / "junk.txt").write_text("from an older export")
+    export_model(cfg, params, 11, None, out, odd_model_fn)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("final")) == ["final"]
+    assert [p.name for p in out.iterdir()] == ["model.pt"]
+    state = torch.load(out / "model.pt", weights_only=True)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
