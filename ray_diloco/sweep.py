@@ -54,7 +54,7 @@ from .config import load_config
 from .errors import ConfigError
 from .space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
 from .storage import is_uri, join_uri, read_text, write_bytes, write_text
-from .trial import DilocoTrial
+from .trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
 
@@ -313,7 +313,7 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         last = _last_metrics(Path(run_dir)) if run_dir else {}
         if last and (m.get("outer_step") is None or last["outer_step"] > m["outer_step"]):
             # the run's own record is ahead of Tune's last result (an interruption came between them)
-            m = {**m, **last}
+            m = {**m, **{k: v for k, v in last.items() if v is not None}}
         started = bool(run_dir) and (Path(run_dir) / "config.yaml").is_file()
         if status == "TERMINATED" and not summary and m.get("outer_step") is not None:
             row["status"] = "STOPPED"  # by the scheduler (ASHA) before its last outer step
@@ -373,28 +373,8 @@ def _saved_statuses(sweep_dir: str) -> dict[str, str]:
 def _last_metrics(run_dir: Path) -> dict[str, Any]:
     """A trial's metrics (as it reports them to Tune) from its run's ``metrics.jsonl``: the last
     outer step's, with the best eval loss so far; ``{}`` when it has none."""
-    import json
-
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return {}
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by the interruption
-        if isinstance(row, dict) and row.get("outer_step") is not None:
-            rows.append(row)
-    if not rows:
-        return {}
-    last = rows[-1]
-    evals = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
-    return {"outer_step": last["outer_step"], "inner_step": last.get("inner_step"), "eval_loss": last.get("eval_loss"),
-            "best_eval_loss": min(evals) if evals else None, "train_loss": last.get("train_loss"),
-            "tokens": last.get("tokens"), "bytes_sent": last.get("bytes_sent_total"),
-            "bytes_received": last.get("bytes_received_total"), "run_dir": str(run_dir)}
+    rows = metrics_rows(run_dir)
+    return tune_metrics(rows[-1], best_eval_loss(rows), run_dir) if rows else {}
 
 
 def _num_parameters(run_dir: str | None) -> int | None:

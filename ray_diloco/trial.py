@@ -97,7 +97,7 @@ class DilocoTrial(Trainable):
         self._last: dict[str, Any] = {}
         cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
         self._final = cfg.num_outer_steps
-        self._best = _best_so_far(self._run_dir) if resume is not None else math.inf
+        self._best = best_eval_loss(metrics_rows(self._run_dir)) if resume is not None else math.inf
         cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
         self._thread = threading.Thread(target=self._train, args=(cfg, resume, local_root), daemon=True,
                                         name="diloco-trial")
@@ -125,11 +125,7 @@ class DilocoTrial(Trainable):
         loss = row.get("eval_loss")
         if loss is not None and math.isfinite(loss):
             self._best = min(self._best, loss)
-        return {"outer_step": row["outer_step"], "inner_step": row["inner_step"],
-                "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": self._best,
-                "train_loss": row["train_loss"], "tokens": row["tokens"],
-                "bytes_sent": row["bytes_sent_total"], "bytes_received": row["bytes_received_total"],
-                "run_dir": str(self._run_dir), "wandb_warning": row.get("wandb_warning")}
+        return tune_metrics(row, self._best, self._run_dir)
 
     def _on_outer_step(self, row: dict[str, Any]) -> None:
         """In the training thread: hand the row to :meth:`step`, then wait until Tune asks for the
@@ -156,10 +152,7 @@ class DilocoTrial(Trainable):
             if self._error is not None:
                 raise self._error
             if not self._last:  # restored after its last outer step: report that step again
-                import json
-
-                lines = (self._run_dir / "metrics.jsonl").read_text().splitlines()
-                self._last = self._metrics(json.loads(lines[-1]))
+                self._last = self._metrics(metrics_rows(self._run_dir)[-1])
             return {**self._last, "done": True}
         self._last = row
         return row
@@ -179,17 +172,39 @@ class DilocoTrial(Trainable):
         self._thread.join(timeout=30)
 
 
-def _best_so_far(run_dir: Path) -> float:
+def tune_metrics(row: dict[str, Any], best: float, run_dir: Path) -> dict[str, Any]:
+    """What a trial reports to Tune for one outer step's ``metrics.jsonl`` row: ``eval_loss`` (NaN
+    when the step had no evaluation), ``best_eval_loss`` (``best``; inf before any), steps, tokens,
+    cumulative bytes, the run directory and any W&B fallback warning."""
+    loss = row.get("eval_loss")
+    return {"outer_step": row["outer_step"], "inner_step": row.get("inner_step"),
+            "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": best,
+            "train_loss": row.get("train_loss"), "tokens": row.get("tokens"),
+            "bytes_sent": row.get("bytes_sent_total"), "bytes_received": row.get("bytes_received_total"),
+            "run_dir": str(run_dir), "wandb_warning": row.get("wandb_warning")}
+
+
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The outer-step rows of a run's ``metrics.jsonl``, in order (``[]`` when there is none); a
+    line cut short by a kill is skipped."""
     import json
 
-    best = math.inf
     try:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            v = json.loads(line).get("eval_loss")
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                best = min(best, v)
-    except (OSError, ValueError):
-        pass
-    return best
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("outer_step") is not None:
+            rows.append(row)
+    return rows
 
 
+def best_eval_loss(rows: list[dict[str, Any]]) -> float:
+    """The lowest finite ``eval_loss`` of ``rows`` (inf when none has one)."""
+    losses = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
+    return min(losses, default=math.inf)
