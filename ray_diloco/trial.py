@@ -5,6 +5,7 @@ outer step by outer step, stopped at an outer-step boundary, resumed from its ow
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,27 @@ class DilocoTrial(Trainable):
         self._stop.set()
         self._go.release()
         self._thread.join(timeout=30)
+        quiet_teardown()
+
+
+def quiet_teardown() -> None:
+    """Silence the SystemExit that ends a stopped trial's actor when it lands in a finaliser.
+
+    Tune terminates a trial's actor right after :meth:`DilocoTrial.cleanup`, and Ray's raylet
+    sends it SIGTERM about 10 ms later; Ray's handler raises ``SystemExit``. While the actor's
+    objects are being freed that exception can be raised inside a weakref callback or
+    ``__del__``, where Python cannot propagate it and prints it as an ignored exception with a
+    traceback in the sweep's output, although the trial ended normally. This hook drops exactly
+    those reports; every other unraisable exception is still printed by the previous hook.
+    """
+    previous = sys.unraisablehook
+
+    def hook(args: Any) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, SystemExit):
+            return
+        previous(args)
+
+    sys.unraisablehook = hook
 
 
 def tune_metrics(row: dict[str, Any], best: float, run_dir: Path) -> dict[str, Any]:

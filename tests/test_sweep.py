@@ -283,3 +283,45 @@ def test_last_metrics_of_an_interrupted_trial_come_from_its_run(tmp_path):
     assert (m["outer_step"], m["eval_loss"], m["best_eval_loss"], m["tokens"], m["bytes_sent"], m["bytes_received"]) \
         == (3, 3.4, 3.2, 960, 30, 36)
     assert _last_metrics(tmp_path / "missing") == {}
+
+
+def test_a_stopped_trials_teardown_sigterm_prints_no_traceback():
+    """After a trial's cleanup, the SystemExit that Ray's SIGTERM handler raises while the actor's
+    objects are freed (inside a finaliser, where Python reports it as an ignored exception) prints
+    nothing; any other exception raised in a finaliser is still reported. A real process, a real
+    SIGTERM delivered while a finaliser runs."""
+    code = """
+import os, signal, sys, time
+from ray_diloco.trial import quiet_teardown
+
+def sigterm(signum, frame):  # what Ray's worker main loop installs
+    raise SystemExit(1)
+
+signal.signal(signal.SIGTERM, sigterm)
+
+class Freed:
+    def __init__(self, kill):
+        self.kill = kill
+    def __del__(self):
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)  # the handler runs here, inside the finaliser
+        else:
+            raise ValueError("a real error in a finaliser")
+
+def free(kill):
+    Freed(kill)
+
+if sys.argv[1] == "quiet":
+    quiet_teardown()
+free(True)
+free(False)
+print("still running")
+"""
+    runs = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=60)
+            for mode in ("quiet", "default")}
+    assert "SystemExit" in runs["default"].stderr and "Traceback" in runs["default"].stderr  # what CI showed
+    quiet = runs["quiet"]
+    assert "SystemExit" not in quiet.stderr, quiet.stderr
+    assert "ValueError: a real error in a finaliser" in quiet.stderr
+    assert quiet.stdout.strip() == "still running"
