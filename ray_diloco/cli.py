@@ -211,12 +211,26 @@ def _check_output(flag: str, path: str | None) -> None:
         raise RayDilocoError(f"{flag} {path}: {parent} is not a writable directory")
 
 
+def _strict(obj: object) -> object:
+    """``obj`` with every non-finite number (NaN, inf) as None, so JSON readers get null."""
+    import numbers
+
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    if isinstance(obj, numbers.Real) and not isinstance(obj, (bool, numbers.Integral)) and not math.isfinite(obj):
+        return None
+    return obj
+
+
 def _write_json(path: str, obj: object) -> None:
+    """Write ``obj`` as strict JSON (non-finite numbers as null, numpy scalars as numbers)."""
     import json
 
     from .storage import write_text
 
-    write_text(path, json.dumps(obj, indent=2, default=float) + "\n")
+    write_text(path, json.dumps(_strict(obj), indent=2, default=float, allow_nan=False) + "\n")
 
 
 def _cmd_fit(a: argparse.Namespace) -> int:

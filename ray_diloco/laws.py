@@ -511,6 +511,11 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     return out
 
 
+def _r2(r2: float | None) -> str:
+    """An r2 for the tables: ``n/a`` when it is undefined (NaN in memory, null in a fits.json)."""
+    return f"{r2:.4f}" if r2 is not None and math.isfinite(r2) else "n/a"
+
+
 def format_fits(fits: dict[str, Any]) -> str:
     """The fits as readable tables (for ``ray-diloco fit``)."""
     lines = [f"model sizes: {', '.join(f'{n:.3g}' for n in fits['sizes'])}; "
@@ -520,7 +525,7 @@ def format_fits(fits: dict[str, Any]) -> str:
              f"{'alpha':>8}"]
     for k, v in fits["independent"].items():
         lr, b = v.get("inner_lr"), v.get("batch")
-        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {v['loss']['r2']:>7.4f} "
+        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {_r2(v['loss']['r2']):>7} "
                      + (f"{lr['A']:>12.5g} {lr['alpha']:>9.4f} " if lr else f"{'-':>12} {'-':>9} ")
                      + (f"{b['A']:>10.4g} {b['alpha']:>8.4f}" if b else f"{'-':>10} {'-':>8}"))
     if fits["joint"]:
@@ -548,7 +553,7 @@ def format_prediction(p: dict[str, Any]) -> str:
     """A prediction (:func:`predict`) as lines."""
     src = p["loss_from"]
     how = f"form {src['form']}, leave-one-size-out residual {src['residual']:.4f}" if "residual" in src \
-        else f"{src['form']}, r2 {src['r2']:.4f}"
+        else f"{src['form']}, r2 {_r2(src['r2'])}"
     lines = [f"{p['algorithm']} at N = {p['params']:.4g} parameters"
              + (f" (an extrapolation: {p['extrapolation']})" if p.get("extrapolation") else ""),
              f"  eval loss     {p['eval_loss']:.4f}   ({how})"]

@@ -14,7 +14,8 @@ from conftest import ROOT, run_cli
 
 from ray_diloco.errors import DataError
 from ray_diloco.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, fit_all, fit_form,
-                             fit_joint, fit_power_law, load_table, optimal_batch, paper_fits, paper_table, predict)
+                             fit_joint, fit_power_law, format_prediction, load_table, optimal_batch, paper_fits,
+                             paper_table, predict)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "cpu_sweep_results.csv"
 
@@ -259,3 +260,23 @@ def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
     p = predict(fits, n_big, 2)
     assert 0 < p["eval_loss"] < best_seen  # a 4x bigger model is predicted to do better than anything swept
 
+
+
+def test_json_outputs_are_strict_and_predict_reads_them_back(tmp_path):
+    """fit/predict/simulate --json and fits.json hold no bare NaN or Infinity (not JSON): an
+    undefined number is null, and predict reads such a fits.json back to the same prediction."""
+    from ray_diloco.cli import _write_json
+
+    fits = paper_fits()
+    fits["independent"]["DP"]["loss"]["r2"] = float("nan")  # an r2 that is undefined
+    assert any(math.isnan(v) for v in (fits["independent"]["DP"]["inner_lr"]["r2"], fits["best_rows"][0]["inner_lr"]))
+    _write_json(str(tmp_path / "fits.json"), fits)
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in strict JSON")
+
+    back = json.loads((tmp_path / "fits.json").read_text(), parse_constant=no_constants)
+    assert back["independent"]["DP"]["loss"]["r2"] is None and back["best_rows"][0]["inner_lr"] is None
+    for m in (0, 2):
+        assert predict(back, 4e9, m)["eval_loss"] == predict(fits, 4e9, m)["eval_loss"]
+    assert "r2 n/a" in format_prediction(predict(back, 4e9, 0))
