@@ -280,3 +280,19 @@ def test_json_outputs_are_strict_and_predict_reads_them_back(tmp_path):
     for m in (0, 2):
         assert predict(back, 4e9, m)["eval_loss"] == predict(fits, 4e9, m)["eval_loss"]
     assert "r2 n/a" in format_prediction(predict(back, 4e9, 0))
+
+
+def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
+    """No warning with the paper's fits (worst held-out miss under 1% of the loss); a form that
+    missed a held-out size by more than LOSO_WARN_FRACTION of the prediction gets a warning line
+    naming that size and the miss."""
+    from ray_diloco.laws import LOSO_WARN_FRACTION
+
+    fits = paper_fits()
+    assert "loss_warning" not in predict(fits, 4e9, 2)
+    p = predict(fits, 4e9, 2)
+    worst = p["eval_loss"] * LOSO_WARN_FRACTION * 1.5
+    fits["forms"][fits["best_form"]]["residual_by_N"]["1300000000.0"] = worst
+    p = predict(fits, 4e9, 2)
+    assert p["loss_warning"].startswith(f"fitted without N = 1.3e+09, this form missed it by {worst:.3f} (4.5% ")
+    assert f"  warning: {p['loss_warning']}" in format_prediction(p).splitlines()
