@@ -74,29 +74,46 @@ class OuterDriver:
     """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor).
 
     Args:
-        initial: fp32 ``[numel_p]`` per fragment (the replicas' common initialisation).
+        initial: fp32 ``[numel_p]`` per fragment (the replicas' common initialisation), or None
+            to give it later with :meth:`init_global` (the trainer starts this actor's process
+            while the replicas start, before their initialisation is known).
         cfg: the run config (dict). members: ``{replica id: join step}`` of the replicas that
             start with the run (default: ``0 .. diloco.replicas - 1`` at step 0).
     """
 
-    def __init__(self, initial: list[np.ndarray], cfg: dict[str, Any], members: dict[int, int] | None = None):
+    def __init__(self, initial: list[np.ndarray] | None, cfg: dict[str, Any], members: dict[int, int] | None = None):
         from .config import load_config
 
-        c = load_config(cfg, validate=False)
-        self.opt = OuterOptimizer(initial, c.outer, c.streaming.quantization, c.streaming.error_feedback)
+        self.cfg = load_config(cfg, validate=False)
+        c = self.cfg
+        self.opt: OuterOptimizer | None = None
         self.quorum = c.diloco.min_replicas
         self.timeout_s = c.diloco.sync_timeout_s
         self.members: dict[int, int] = dict(members) if members is not None else \
             {m: 0 for m in range(c.diloco.replicas)}
         self.removed: set[int] = set()
-        self.versions = [0] * len(self.opt.params)
         self.rounds: dict[tuple[int, int], _Round] = {}
         self.finished: dict[tuple[int, int], _Finished] = {}
-        self.finished_order: list[deque] = [deque() for _ in self.opt.params]
-        self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
         self.stats: list[dict[str, Any]] = []
         self.events: deque = deque(maxlen=MAX_EVENTS)
         self.failed_rounds = 0
+        if initial is not None:
+            self.init_global(initial)
+
+    def init_global(self, initial: list[np.ndarray]) -> None:
+        """Set the global parameters (fp32 ``[numel_p]`` per fragment) and a zero outer-optimiser
+        state, once, before any round.
+
+        Raises:
+            RuntimeError: the global parameters were already set.
+        """
+        if self.opt is not None:
+            raise RuntimeError("the outer driver's global parameters are already set")
+        c = self.cfg
+        self.opt = OuterOptimizer(initial, c.outer, c.streaming.quantization, c.streaming.error_feedback)
+        self.versions = [0] * len(self.opt.params)
+        self.finished_order: list[deque] = [deque() for _ in self.opt.params]
+        self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
 
     # -- membership --------------------------------------------------------------------------
     def add_member(self, replica: int, join_step: int, **info: Any) -> None:

@@ -186,13 +186,16 @@ class Trainer:
         rs = self.resume_state
         saved = (rs or {}).get("membership") or {}
         members = [tuple(m) for m in saved.get("members", [])] or None
+        c = self.cfg
+        if c.algorithm == "diloco":  # its process starts (imports) while the replicas start
+            joins = {m: j for m, _, j in (members or [(m, m, 0) for m in range(c.diloco.replicas)])}
+            self.outer = OuterDriverActor.remote(None, c.to_dict(), joins)
         self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn, members)
         self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
         self.members.load_state_dict(saved)
         self.replicas = self.members.live  # the same list: it changes as replicas die and join
         w0 = self.replicas[0].rank0
         specs = ray.get(w0.param_specs.remote())
-        c = self.cfg
         try:
             self.fragments = fragment_plan(c, specs)
         except ValueError as e:
@@ -220,7 +223,7 @@ class Trainer:
             # the global parameters start as rank 0's initialisation (identical in every worker)
             initial = rs["outer"]["global"] if rs is not None else \
                 ray.get([w0.local_fragment.remote(p) for p in range(self.num_fragments)])
-            self.outer = OuterDriverActor.remote(initial, c.to_dict(), {r.index: r.join_step for r in self.replicas})
+            ray.get(self.outer.init_global.remote(initial))
             self.members.driver, self.members.schedule = self.outer, self.schedule
             if rs is not None:
                 ray.get(self.outer.load_state_dict.remote(rs["outer"]))

@@ -72,7 +72,9 @@ def test_state_dict_round_trip_continues_identically():
 def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     """Two replicas' wire messages reach the driver actor through the object store; the round
     completes once both are in, both get the same reply, and the driver's global parameters
-    equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do)."""
+    equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do). With
+    fp4 the driver starts without global parameters and gets them later, as the trainer does it
+    (its process starts while the replicas start); they can be given only once."""
     from ray_diloco.config import load_config
     from ray_diloco.driver import OuterDriverActor
     from ray_diloco.exchange import apply_downlink
@@ -81,7 +83,13 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     ray = ray_session
     cfg = load_config({"streaming": {"quantization": fmt}})
     theta0 = np.random.default_rng(5).standard_normal(1001).astype(np.float32)
-    driver = OuterDriverActor.remote([theta0], cfg.to_dict())
+    if fmt == "none":
+        driver = OuterDriverActor.remote([theta0], cfg.to_dict())
+    else:
+        driver = OuterDriverActor.remote(None, cfg.to_dict())
+        ray.get(driver.init_global.remote([theta0]))
+    with pytest.raises(RuntimeError, match="global parameters are already set"):
+        ray.get(driver.init_global.remote([theta0 + 1]))
     local = OuterOptimizer([theta0], cfg.outer, fmt)
     held = torch.tensor(theta0)  # what a replica holds
     for k in (1, 2, 3):
