@@ -1,4 +1,7 @@
-"""DiLoCo on a real local Ray: identity, parameter identity, exchange of odd shapes, DDP, DP, export."""
+"""DiLoCo on a real local Ray: identity, parameter identity, exchange of odd shapes, DDP, DP, export.
+
+The plain-AdamW identity, bf16 and export tests train the transformers preset; the others the
+pure-torch ``conftest.TorchLM`` (no transformers import in their actors) or odd custom shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.data import ShardReader, val_windows
@@ -65,7 +68,7 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=15))
-    t = _trainer(cfg, tmp_path, corpus)
+    t = _trainer(cfg, tmp_path, corpus, torch_lm)
     try:
         workers = [r.rank0 for r in t.replicas]
         start = ray.get([w.params_hash.remote() for w in workers])
@@ -165,7 +168,7 @@ def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2, run__steps=10))
-    t = _trainer(cfg, tmp_path, corpus)
+    t = _trainer(cfg, tmp_path, corpus, torch_lm)
     try:
         t._round(1)
         w = t.replicas[0].workers
@@ -179,7 +182,7 @@ def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
 
 def test_dp_baseline_trains_with_same_metrics(ray_session, tmp_path, corpus):
     cfg = load_config(tiny_overrides(tmp_path, algorithm="dp", run__steps=20, run__name="dp"))
-    summary = train(cfg, corpus=corpus)
+    summary = train(cfg, corpus=corpus, model_fn=torch_lm)
     assert summary["algorithm"] == "dp" and summary["bytes_sent"] == 0
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5
     rows = [json.loads(x) for x in (tmp_path / "runs" / "dp" / "metrics.jsonl").read_text().splitlines()]
@@ -251,7 +254,7 @@ def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(r
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     (run_dir / "metrics.jsonl").write_text(json.dumps({"outer_step": 1, "inner_step": 5, "train_loss": 9.9}) + "\n")
-    summary = train(None, resume=run_dir, corpus=corpus)
+    summary = train(None, resume=run_dir, corpus=corpus, model_fn=torch_lm)
     assert summary["inner_steps"] == 10 and summary["config"]["run"]["seed"] == 3
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["outer_step"] for r in rows] == [1, 2] and rows[0]["train_loss"] != 9.9
