@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     fi.add_argument("table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet")
     fi.add_argument("--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)")
     fi.add_argument("--json", default=None, metavar="PATH", help="also write the fits as JSON here")
-    fi.add_argument("--starts", type=int, default=32, help="random starts of each parametric-form fit (default 32)")
+    fi.add_argument("--starts", type=int, default=None,
+                    help="random starts of each parametric-form fit (default 32, as predict uses when it fits a table)")
     fi.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
     pr = sub.add_parser("predict", help="predicted loss, inner lr, global batch and outer lr of a bigger model")
@@ -236,8 +237,10 @@ def _write_json(path: str, obj: object) -> None:
 def _cmd_fit(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .laws import fit_all, format_fits, load_table
+    from .laws import DEFAULT_STARTS, fit_all, format_fits, load_table
 
+    if a.starts is None:
+        a.starts = DEFAULT_STARTS
     if a.starts < 1:
         raise RayDilocoError(f"--starts = {a.starts}: must be >= 1")
     _check_output("--json", a.json)

@@ -419,7 +419,12 @@ def optimal_outer_lr(df: Any) -> list[dict[str, Any]]:
 
 
 # -- everything at once -------------------------------------------------------------------------
-def fit_all(df: Any, starts: int = 64) -> dict[str, Any]:
+DEFAULT_STARTS = 32
+"""Random starts of each parametric-form fit for ``fit`` and for ``predict --fits TABLE`` (one
+default, so both choose the same form on the same table)."""
+
+
+def fit_all(df: Any, starts: int = DEFAULT_STARTS) -> dict[str, Any]:
     """All fits of the module docstring on a sweep table (:func:`load_table`). Returns a
     JSON-ready dict: ``independent`` (per algorithm: loss / inner_lr / batch laws), ``joint``
     (loss / inner_lr / batch), ``forms`` (coefficients, objective, leave-one-size-out residual per

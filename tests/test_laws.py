@@ -296,3 +296,17 @@ def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
     p = predict(fits, 4e9, 2)
     assert p["loss_warning"].startswith(f"fitted without N = 1.3e+09, this form missed it by {worst:.3f} (4.5% ")
     assert f"  warning: {p['loss_warning']}" in format_prediction(p).splitlines()
+
+
+def test_fit_and_predict_of_a_table_use_the_same_number_of_starts():
+    """`ray-diloco fit TABLE` and `predict --fits TABLE` fit with the same default number of random
+    starts (they chose different forms on the same table when they differed: 32 against 64)."""
+    import inspect
+
+    from ray_diloco.cli import _parser
+    from ray_diloco.laws import DEFAULT_STARTS
+
+    assert _parser().parse_args(["fit", "t.csv"]).starts is None  # None: DEFAULT_STARTS in _cmd_fit
+    assert inspect.signature(fit_all).parameters["starts"].default == DEFAULT_STARTS == 32
+    fit_help = next(a for a in _parser()._subparsers._group_actions[0].choices["fit"]._actions if a.dest == "starts").help
+    assert f"default {DEFAULT_STARTS}" in fit_help
