@@ -244,6 +244,8 @@ def _cmd_fit(a: argparse.Namespace) -> int:
     if a.starts < 1:
         raise RayDilocoError(f"--starts = {a.starts}: must be >= 1")
     _check_output("--json", a.json)
+    if a.out is not None and Path(a.out).expanduser().exists() and not Path(a.out).expanduser().is_dir():
+        raise RayDilocoError(f"--out {a.out}: not a directory (fits.json and the plots go into it)")
     df = load_table(a.table)
     fits = fit_all(df, starts=a.starts)
     print(format_fits(fits))
@@ -290,9 +292,16 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     else:
         raise RayDilocoError(f"--fits {a.fits}: not found (give a fits.json from ray-diloco fit, a sweep directory, "
                              "a .csv/.parquet table, or paper)")
-    p = predict(fits, a.params, a.replicas, a.H)
-    p["fits"] = origin
-    print(format_prediction(p))
+    try:
+        p = predict(fits, a.params, a.replicas, a.H)
+        p["fits"] = origin
+        text = format_prediction(p)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        if a.fits == "paper" or not src.suffix == ".json":
+            raise
+        raise RayDilocoError(f"--fits {a.fits}: not fits written by ray-diloco fit (a value of the wrong type or "
+                             f"shape: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
+    print(text)
     print(f"  (from {origin})")
     if a.json:
         _write_json(a.json, p)
@@ -302,8 +311,8 @@ def _cmd_predict(a: argparse.Namespace) -> int:
 def _chip_problems(tflops: float | None, mfu: float | None) -> list[str]:
     """One line per invalid ``--tflops`` / ``--mfu`` (None: not given), for plan and simulate."""
     bad = []
-    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
-        bad.append(f"--tflops = {tflops}: must be a finite number > 0")
+    if tflops is not None and not (math.isfinite(tflops) and 1e-3 <= tflops <= 1e6):
+        bad.append(f"--tflops = {tflops}: must be in [0.001, 1e6] TFLOP/s per chip")
     if mfu is not None and not 0 < mfu <= 1:
         bad.append(f"--mfu = {mfu}: must be in (0, 1]")
     return bad

@@ -90,6 +90,11 @@ def init_ray(cfg: Config) -> bool:
     try:
         ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
                  include_dashboard=False if address is None else None)
+    except SystemExit as e:  # SIGTERM while ray.init runs: Ray's own handler calls sys.exit(15)
+        if not (GRACEFUL_SIGTERM and e.code == signal.SIGTERM):
+            raise
+        ray.shutdown()  # what it had started
+        raise KeyboardInterrupt from None
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
         raise ClusterError(f"run.address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"

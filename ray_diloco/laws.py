@@ -210,6 +210,9 @@ def fit_power_law(n: Any, y: Any, what: str = "y") -> PowerLaw:
         raise DataError(f"a power law of {what} needs finite values > 0 at two or more model sizes "
                         f"(got {what} = {[round(float(v), 6) for v in y][:8]})")
     r = stats.linregress(np.log(n), np.log(y))
+    if not (math.isfinite(r.intercept) and r.intercept < math.log(np.finfo(float).max)):
+        raise DataError(f"the power law of {what} through {[float(f'{v:.4g}') for v in y][:8]} has a coefficient A = "
+                        f"exp({r.intercept:.4g}) beyond a float: the values span too many orders of magnitude")
     return PowerLaw(float(math.exp(r.intercept)), float(r.slope), float(r.rvalue ** 2))
 
 
@@ -460,8 +463,31 @@ def fit_all(df: Any, starts: int = DEFAULT_STARTS) -> dict[str, Any]:
 
 
 LOSO_WARN_FRACTION = 0.03
-"""predict warns when the chosen form, fitted without one of the sizes, missed that size's loss by
-more than this fraction of the prediction (the paper's forms miss by about 0.2%)."""
+"""predict warns when the chosen form, fitted without one of the sizes, missed that size's measured
+loss by more than this fraction of it (the paper's forms miss by about 0.2%)."""
+
+
+def _held_out_warning(fits: dict[str, Any], form: str) -> str | None:
+    """The warning for a form that, fitted without one size, missed that size's mean DiLoCo loss
+    (from ``best_rows``) by more than :data:`LOSO_WARN_FRACTION` of it; None when none did.
+    Undefined misses (null, NaN) are skipped."""
+    measured: dict[float, list[float]] = {}
+    for row in fits.get("best_rows") or []:
+        n, m, loss = row.get("N"), row.get("M"), row.get("eval_loss")
+        if all(isinstance(v, (int, float)) for v in (n, m, loss)) and m >= 1 and math.isfinite(loss) and loss > 0:
+            measured.setdefault(float(n), []).append(float(loss))
+    worst = None
+    for n, miss in fits["forms"][form]["residual_by_N"].items():
+        if not isinstance(miss, (int, float)) or math.isnan(miss) or float(n) not in measured:
+            continue
+        loss = sum(measured[float(n)]) / len(measured[float(n)])
+        if miss > LOSO_WARN_FRACTION * loss and (worst is None or miss / loss > worst[1] / worst[2]):
+            worst = (float(n), float(miss), loss)
+    if worst is None:
+        return None
+    n, miss, loss = worst
+    return (f"fitted without N = {n:.3g}, this form missed its loss ({loss:.4g}) by {miss:.4g} "
+            f"({100 * miss / loss:.1f}%): the loss is a rough estimate")
 
 
 def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = None) -> dict[str, Any]:
@@ -471,8 +497,8 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     The loss comes from the best parametric form by leave-one-size-out residual for DiLoCo (the
     independent law when the form was not fitted) and from the independent law for DP; inner lr
     and batch from the independent law of that M when fitted, else the joint law; the outer lr
-    from the nearest fitted (M, H). ``loss_warning`` is set when the form's worst
-    leave-one-size-out residual is above :data:`LOSO_WARN_FRACTION` of the predicted loss.
+    from the nearest fitted (M, H). ``loss_warning`` is set when the form's leave-one-size-out
+    miss of a size is above :data:`LOSO_WARN_FRACTION` of that size's measured loss.
 
     Raises:
         DataError: nothing fitted for that algorithm.
@@ -488,13 +514,9 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
         form = fits["best_form"]
         out["eval_loss"] = float(FormFit(form, tuple(fits["forms"][form]["theta"]), 0.0)(params, replicas))
         out["loss_from"] = {"form": form, "residual": fits["forms"][form]["residual"]}
-        held = {float(n): r for n, r in fits["forms"][form]["residual_by_N"].items() if r is not None}
-        if held:
-            n_worst = max(held, key=held.get)
-            if held[n_worst] > LOSO_WARN_FRACTION * out["eval_loss"]:
-                out["loss_warning"] = (f"fitted without N = {n_worst:.3g}, this form missed it by {held[n_worst]:.3f} "
-                                       f"({100 * held[n_worst] / out['eval_loss']:.1f}% of this prediction): "
-                                       "the loss is a rough estimate")
+        warning = _held_out_warning(fits, form)
+        if warning:
+            out["loss_warning"] = warning
     elif ind is not None:
         out["eval_loss"] = float(PowerLaw(**ind["loss"])(params))
         out["loss_from"] = {"form": f"A*N^alpha ({name})", "r2": ind["loss"]["r2"]}
@@ -530,8 +552,9 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
 
 
 def _r2(r2: float | None) -> str:
-    """An r2 for the tables: ``n/a`` when it is undefined (NaN in memory, null in a fits.json)."""
-    return f"{r2:.4f}" if r2 is not None and math.isfinite(r2) else "n/a"
+    """An r2 or residual for the tables: ``n/a`` when undefined (NaN in memory, null in a
+    fits.json), ``inf`` when it overflowed."""
+    return "n/a" if r2 is None or math.isnan(r2) else f"{r2:.4f}"
 
 
 def format_fits(fits: dict[str, Any]) -> str:
@@ -570,7 +593,7 @@ def format_fits(fits: dict[str, Any]) -> str:
 def format_prediction(p: dict[str, Any]) -> str:
     """A prediction (:func:`predict`) as lines."""
     src = p["loss_from"]
-    how = f"form {src['form']}, leave-one-size-out residual {src['residual']:.4f}" if "residual" in src \
+    how = f"form {src['form']}, leave-one-size-out residual {_r2(src['residual'])}" if "residual" in src \
         else f"{src['form']}, r2 {_r2(src['r2'])}"
     lines = [f"{p['algorithm']} at N = {p['params']:.4g} parameters"
              + (f" (an extrapolation: {p['extrapolation']})" if p.get("extrapolation") else ""),

@@ -625,6 +625,13 @@ def _signals_deferred():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def _write_config(run_dir: Path, cfg: Config) -> None:
+    """``run_dir/config.yaml`` (the resolved config), written atomically."""
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(cfg.to_yaml())
+    os.replace(tmp, run_dir / "config.yaml")
+
+
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
             address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
     """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
@@ -717,16 +724,18 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         if resume is None and any(p.name != ".lock" for p in run_dir.iterdir()):
             raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
         remove_partial_checkpoints(run_dir)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        if resume is None:  # a resume rewrites it (with its --set changes) only once it has started
+            _write_config(run_dir, cfg)
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
-        if resume is not None:
-            _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if is_uri(cfg.run.storage_path):
             trainer.mirror = Mirror(run_dir, cfg.run.storage_path)
             print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
                   file=sys.stderr)
         trainer.start()
+        if resume is not None:  # only now: a resume that fails to start leaves the run directory as it was
+            _write_config(run_dir, cfg)
+            _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if rs is not None:
             print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
                   f"(inner step {trainer.state.inner_step} of {cfg.run.steps})", file=sys.stderr)

@@ -198,6 +198,8 @@ def test_fit_and_predict_cli_write_json_and_plots(tmp_path):
      "error: --fits nothere.json: not found (give a fits.json from ray-diloco fit, a sweep directory"),
     (["simulate", "--json", "DIR"], "is a directory (give a file path)"),
     (["plan", "--mfu", "0.5"], "error: --mfu: only used with --chips"),
+    (["plan", "--chips", "1", "--tflops", "1e300"], "error: --tflops = 1e+300: must be in [0.001, 1e6] TFLOP/s per chip"),
+    (["fit", "TABLE", "--out", "FILE"], "/f.json: not a directory (fits.json and the plots go into it)"),
 ])
 def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
     df, _ = _synthetic_sweep()
@@ -208,7 +210,9 @@ def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
         df.loc[[1, 5], "num_parameters"] = -5.0
         df.to_csv(tmp_path / "t.csv", index=False)
         args = ["fit", str(tmp_path / "t.csv")]
-    args = [str(tmp_path / "f.json") if x == "FOREIGN_JSON" else str(tmp_path) if x == "DIR" else x for x in args]
+    _synthetic_sweep()[0].to_csv(tmp_path / "table.csv", index=False)
+    args = [str(tmp_path / "f.json") if x in ("FOREIGN_JSON", "FILE") else str(tmp_path) if x == "DIR"
+            else str(tmp_path / "table.csv") if x == "TABLE" else x for x in args]
     (tmp_path / "f.json").write_text('{"model": "gpt", "loss": 1.0}')
     out = run_cli(args, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
@@ -284,18 +288,61 @@ def test_json_outputs_are_strict_and_predict_reads_them_back(tmp_path):
 
 def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
     """No warning with the paper's fits (worst held-out miss under 1% of the loss); a form that
-    missed a held-out size by more than LOSO_WARN_FRACTION of the prediction gets a warning line
-    naming that size and the miss."""
+    missed a held-out size by more than LOSO_WARN_FRACTION of that size's measured loss gets a
+    warning line naming that size and the miss, at any queried N (relative to the prediction, it
+    vanished when the form extrapolated worst); an undefined miss (NaN, null) hides no other."""
     from ray_diloco.laws import LOSO_WARN_FRACTION
 
     fits = paper_fits()
     assert "loss_warning" not in predict(fits, 4e9, 2)
-    p = predict(fits, 4e9, 2)
-    worst = p["eval_loss"] * LOSO_WARN_FRACTION * 1.5
-    fits["forms"][fits["best_form"]]["residual_by_N"]["1300000000.0"] = worst
-    p = predict(fits, 4e9, 2)
-    assert p["loss_warning"].startswith(f"fitted without N = 1.3e+09, this form missed it by {worst:.3f} (4.5% ")
-    assert f"  warning: {p['loss_warning']}" in format_prediction(p).splitlines()
+    at_1_3b = [r["eval_loss"] for r in fits["best_rows"] if r["N"] == 1.3e9 and r["M"] >= 1]
+    measured = sum(at_1_3b) / len(at_1_3b)
+    miss = measured * LOSO_WARN_FRACTION * 1.5
+    by_n = fits["forms"][fits["best_form"]]["residual_by_N"]
+    by_n["1300000000.0"], by_n["35000000.0"] = miss, float("nan")
+    for n in (4e9, 1e12):
+        p = predict(fits, n, 2)
+        assert p["loss_warning"] == (f"fitted without N = 1.3e+09, this form missed its loss ({measured:.4g}) by "
+                                     f"{miss:.4g} (4.5%): the loss is a rough estimate")
+        assert f"  warning: {p['loss_warning']}" in format_prediction(p).splitlines()
+    by_n["1300000000.0"] = miss / 2
+    assert "loss_warning" not in predict(fits, 4e9, 2)
+
+
+def test_predict_reads_null_misses_and_refuses_hand_edited_fits_in_one_line(tmp_path, capsys):
+    """A fits.json that fit wrote with an overflowed (null) residual is read, shown as n/a; a
+    hand-edited one with a value of the wrong type or shape is one error line, exit 2."""
+    import signal
+
+    from ray_diloco import cluster
+    from ray_diloco.cli import _write_json, main
+
+    def run(fits):
+        _write_json(str(tmp_path / "fits.json"), fits)
+        saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
+        try:
+            rc = main(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "4e9", "--replicas", "2"])
+        finally:
+            signal.signal(signal.SIGTERM, saved[0])
+            cluster.GRACEFUL_SIGTERM = saved[1]
+        return rc, capsys.readouterr()
+
+    fits = paper_fits()
+    fits["forms"][fits["best_form"]]["residual"] = float("inf")
+    rc, out = run(fits)
+    assert rc == 0 and "leave-one-size-out residual n/a" in out.out  # inf is written as null
+    for edit in ({"theta": None}, {"theta": [1.0]}, {"residual_by_N": ["x"]}):
+        bad = paper_fits()
+        bad["forms"][bad["best_form"]].update(edit)
+        rc, out = run(bad)
+        assert rc == 2 and len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err, (edit, out.err)
+        assert out.err.startswith(f"error: --fits {tmp_path / 'fits.json'}: not fits written by ray-diloco fit")
+
+
+def test_a_power_law_beyond_floats_is_one_error():
+    """Losses spanning hundreds of orders of magnitude: the fitted A overflows a float."""
+    with pytest.raises(DataError, match=r"beyond a float: the values span too many orders of magnitude"):
+        fit_power_law([1e6, 2e6], [1e100, 1.0], "eval_loss")
 
 
 def test_fit_and_predict_of_a_table_use_the_same_number_of_starts():
