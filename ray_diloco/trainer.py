@@ -54,7 +54,7 @@ from .export import check_sizes, export_model
 from .model import ModelFn
 from .replica import fragment_plan
 from .schedules import SyncSchedule, is_due, outer_step_bounds
-from .storage import Mirror, download_run, filesystem, is_uri, join_uri
+from .storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
 from .tracking import Tracker, write_summary
 
 
@@ -625,13 +625,6 @@ def _signals_deferred():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _write_config(run_dir: Path, cfg: Config) -> None:
-    """``run_dir/config.yaml`` (the resolved config), written atomically."""
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(cfg.to_yaml())
-    os.replace(tmp, run_dir / "config.yaml")
-
-
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
             address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
     """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
@@ -725,7 +718,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
         remove_partial_checkpoints(run_dir)
         if resume is None:  # a resume rewrites it (with its --set changes) only once it has started
-            _write_config(run_dir, cfg)
+            write_text(str(run_dir / "config.yaml"), cfg.to_yaml())  # atomic
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
         if is_uri(cfg.run.storage_path):
@@ -734,7 +727,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
                   file=sys.stderr)
         trainer.start()
         if resume is not None:  # only now: a resume that fails to start leaves the run directory as it was
-            _write_config(run_dir, cfg)
+            write_text(str(run_dir / "config.yaml"), cfg.to_yaml())  # atomic
             _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if rs is not None:
             print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
