@@ -209,6 +209,12 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
                  model_fn))  # slot -1: not known until the replica joins (it then moves to its shard)
 
 
+def initial_members(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int, int]]:
+    """``(replica id, slot, join step)`` of the replicas a run starts with: ``members`` (restored
+    from a checkpoint) or ``(m, m, 0)`` for each of the ``diloco.replicas``."""
+    return members or [(m, m, 0) for m in range(cfg.diloco.replicas)]
+
+
 def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
                    members: list[tuple[int, int, int]] | None = None) -> list[Replica]:
     """Placement groups and worker actors; process groups formed; data shards opened. Blocks
@@ -227,7 +233,7 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, m
         layout = [(0, 0, 0, cfg.num_shards, "PACK")]
     else:
         layout = [(m, slot, j, d.workers_per_replica, "STRICT_PACK")
-                  for m, slot, j in (members or [(m, m, 0) for m in range(d.replicas)])]
+                  for m, slot, j in initial_members(cfg, members)]
     replicas: list[Replica] = []
     try:
         for m, slot, j, world, strategy in layout:

@@ -44,7 +44,8 @@ from .checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
-from .cluster import Replica, all_workers, check_resources, error_cause, init_ray, start_replicas, stop_replicas
+from .cluster import (Replica, all_workers, check_resources, error_cause, init_ray, initial_members, start_replicas,
+                      stop_replicas)
 from .elastic import Membership, read_scale
 from .config import Config, check_overlap, load_config
 from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
@@ -188,7 +189,7 @@ class Trainer:
         members = [tuple(m) for m in saved.get("members", [])] or None
         c = self.cfg
         if c.algorithm == "diloco":  # its process starts (imports) while the replicas start
-            joins = {m: j for m, _, j in (members or [(m, m, 0) for m in range(c.diloco.replicas)])}
+            joins = {m: j for m, _, j in initial_members(c, members)}
             self.outer = OuterDriverActor.remote(None, c.to_dict(), joins)
         self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn, members)
         self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
