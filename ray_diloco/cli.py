@@ -297,7 +297,7 @@ def _cmd_predict(a: argparse.Namespace) -> int:
         p["fits"] = origin
         text = format_prediction(p)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-        if a.fits == "paper" or not src.suffix == ".json":
+        if a.fits == "paper" or src.suffix != ".json":
             raise
         raise RayDilocoError(f"--fits {a.fits}: not fits written by ray-diloco fit (a value of the wrong type or "
                              f"shape: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
