@@ -551,10 +551,10 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     return out
 
 
-def _r2(r2: float | None) -> str:
+def _stat(value: float | None) -> str:
     """An r2 or residual for the tables: ``n/a`` when undefined (NaN in memory, null in a
     fits.json), ``inf`` when it overflowed."""
-    return "n/a" if r2 is None or math.isnan(r2) else f"{r2:.4f}"
+    return "n/a" if value is None or math.isnan(value) else f"{value:.4f}"
 
 
 def format_fits(fits: dict[str, Any]) -> str:
@@ -566,7 +566,7 @@ def format_fits(fits: dict[str, Any]) -> str:
              f"{'alpha':>8}"]
     for k, v in fits["independent"].items():
         lr, b = v.get("inner_lr"), v.get("batch")
-        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {_r2(v['loss']['r2']):>7} "
+        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {_stat(v['loss']['r2']):>7} "
                      + (f"{lr['A']:>12.5g} {lr['alpha']:>9.4f} " if lr else f"{'-':>12} {'-':>9} ")
                      + (f"{b['A']:>10.4g} {b['alpha']:>8.4f}" if b else f"{'-':>10} {'-':>8}"))
     if fits["joint"]:
@@ -593,8 +593,8 @@ def format_fits(fits: dict[str, Any]) -> str:
 def format_prediction(p: dict[str, Any]) -> str:
     """A prediction (:func:`predict`) as lines."""
     src = p["loss_from"]
-    how = f"form {src['form']}, leave-one-size-out residual {_r2(src['residual'])}" if "residual" in src \
-        else f"{src['form']}, r2 {_r2(src['r2'])}"
+    how = f"form {src['form']}, leave-one-size-out residual {_stat(src['residual'])}" if "residual" in src \
+        else f"{src['form']}, r2 {_stat(src['r2'])}"
     lines = [f"{p['algorithm']} at N = {p['params']:.4g} parameters"
              + (f" (an extrapolation: {p['extrapolation']})" if p.get("extrapolation") else ""),
              f"  eval loss     {p['eval_loss']:.4f}   ({how})"]
