@@ -14,11 +14,13 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import Config
 from .errors import ClusterError
-from .model import ModelFn
+
+if TYPE_CHECKING:  # torch: the CLI imports this module for every command, fit and simulate included
+    from .model import ModelFn
 
 
 @dataclass
