@@ -96,7 +96,12 @@ class DilocoTrial(Trainable):
         self._steps = 0
         self._error: BaseException | None = None
         self._last: dict[str, Any] = {}
-        cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
+        self._thread: threading.Thread | None = None
+        try:
+            cfg, self._run_dir, resume, local_root = _trial_run(self._spec, self.trial_id, config)
+        except TrialError as e:  # reported by the first step(): raised here, Ray would print the stack
+            self._error = e
+            return
         self._final = cfg.num_outer_steps
         self._best = best_eval_loss(metrics_rows(self._run_dir)) if resume is not None else math.inf
         cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
@@ -142,6 +147,8 @@ class DilocoTrial(Trainable):
 
     def step(self) -> dict[str, Any]:
         """The next outer step's metrics; ``done`` once the run has finished (export included)."""
+        if self._thread is None:  # the trial's values were invalid (setup kept the one-line reason)
+            raise self._error
         if self._steps:
             self._go.release()  # the run may start its next outer step
         self._steps += 1
@@ -170,7 +177,8 @@ class DilocoTrial(Trainable):
         """Stop the run at its outer-step boundary (30 s at most) and let it clean up."""
         self._stop.set()
         self._go.release()
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
         quiet_teardown()
 
 
