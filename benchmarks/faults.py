@@ -1,7 +1,8 @@
 """Recovery from replica deaths on the tiny model: how long until training goes on, how long a
 replacement takes to join, and what the faults cost in loss.
 
-Runs on a local Ray cluster, the `tiny` preset, M=2 replicas, H=50, the bundled corpus:
+Runs on a local Ray cluster, the `tiny` shape in the llama family (FFN 352: the model of README's
+figures, measured before `tiny` became nanoGPT's GPT-2 family), M=2 replicas, H=50, the bundled corpus:
 
     fault-free      no faults (the reference loss)
     kill            one replica's process is SIGKILLed at a random point of outer step K; the
@@ -42,7 +43,7 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
     cfg = load_config(None, ["diloco.replicas=2", "diloco.H=50", f"run.steps={steps}", "run.eval_every=0",
                              "run.checkpoint_every=0", f"run.output_dir={out_dir}", f"run.name={name}",
                              "tracking.wandb=false", "tracking.progress=false", "diloco.cpus_per_worker=0.5",
-                             f"diloco.spare_replicas={spare}", f"run.seed={seed}"])
+                             f"diloco.spare_replicas={spare}", f"run.seed={seed}", "model.family=llama", "model.d_ff=352"])
     corpus = load_corpus(cfg.data)
     t = Trainer(cfg, _new_run_dir(cfg), corpus)
     t.start()

@@ -35,7 +35,7 @@ class ModelConfig:
     """Decoder-only LM shape. ``preset`` fills every field left as ``None`` (see model.PRESETS)."""
 
     preset: str = "tiny"
-    family: str | None = None  # "llama" or "qwen3" (QK-norm)
+    family: str | None = None  # "gpt2" (nanoGPT's GPT), "llama" or "qwen3" (QK-norm)
     n_layers: int | None = None
     n_heads: int | None = None
     d_model: int | None = None
@@ -397,7 +397,7 @@ def _from_dict(data: dict[str, Any], errors: list[str]) -> Config:
 ALGORITHMS = ("diloco", "dp")
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "adam")
 PRECISIONS = ("fp32", "bf16")
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("gpt2", "llama", "qwen3")
 TRACKING_MODES = ("auto", "online", "offline", "disabled")
 PATTERNS = ("strided", "sequential")
 CLOSING_ROUNDS = ("average", "outer", "none")

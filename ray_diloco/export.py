@@ -48,7 +48,7 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
     return model
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def for_inference(config: Any, tokenizer: Any) -> None:

@@ -62,7 +62,8 @@ _BLOCK = re.compile(r"^(?P<container>.*?)\.(?P<index>\d+)\.")
 
 def block_index(name: str) -> int | None:
     """The transformer block a parameter belongs to: the first dotted integer in its name
-    (``model.layers.3.mlp.up_proj.weight`` -> 3), or None for embeddings, final norm, LM head."""
+    (``model.layers.3.mlp.up_proj.weight``, ``transformer.h.3.mlp.c_fc.weight`` -> 3), or None for
+    embeddings, final norm, LM head."""
     m = _BLOCK.match(name)
     return int(m.group("index")) if m else None
 

@@ -1,9 +1,11 @@
 """Decoder-only language models built from a transformers config (no downloaded weights).
 
-Families: ``llama`` (RMSNorm, RoPE, SwiGLU) and ``qwen3`` (the same plus QK-norm, as in the
-Scaling Laws for DiLoCo paper, section 3). Presets: ``tiny`` (char-level, nanoGPT's CPU
-"baby GPT" shape), small CPU sizes, and the scaling-law paper's sizes 35M ... 10B
-(algorithms.md section 3 table: layers, heads, d_model, FFN).
+Families: ``gpt2`` (nanoGPT's GPT: learned positions, LayerNorm, GELU MLP), ``llama`` (RMSNorm,
+RoPE, SwiGLU) and ``qwen3`` (llama plus QK-norm, as in the Scaling Laws for DiLoCo paper,
+section 3). Presets: ``tiny`` (char-level, nanoGPT's CPU "baby GPT": its family and shape, so
+the default run compares directly with nanoGPT and torchft on the same text), small CPU sizes,
+and the scaling-law paper's sizes 35M ... 10B (algorithms.md section 3 table: layers, heads,
+d_model, FFN).
 
 A Python user may pass any ``model_fn(shape: dict, vocab_size: int) -> torch.nn.Module`` whose
 ``forward(input_ids)`` returns logits ``[batch, seq, vocab]`` (or an object with ``.logits``).
@@ -24,7 +26,7 @@ from .errors import ConfigError
 
 # name: (family, layers, heads, d_model, d_ff, context, z_loss)
 PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
-    "tiny": ("llama", 4, 4, 128, 352, 64, 0.0),
+    "tiny": ("gpt2", 4, 4, 128, 512, 64, 0.0),  # nanoGPT's CPU baby GPT (FFN 4 x 128)
     "cpu-small": ("llama", 6, 6, 192, 512, 128, 0.0),
     "cpu-medium": ("llama", 8, 8, 256, 704, 256, 0.0),
     # Scaling Laws for DiLoCo (arXiv 2503.09799), section 3: QK-norm, z-loss 1e-4, seq 2048.
@@ -64,9 +66,15 @@ def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
 
 
 def hf_config(shape: dict[str, Any]):
-    """The transformers ``LlamaConfig`` / ``Qwen3Config`` for a resolved shape."""
-    from transformers import LlamaConfig, Qwen3Config
+    """The transformers ``GPT2Config`` / ``LlamaConfig`` / ``Qwen3Config`` for a resolved shape."""
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
+    if shape["family"] == "gpt2":  # nanoGPT's GPT: learned positions, LayerNorm, GELU MLP, no dropout
+        return GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["d_model"], n_inner=shape["d_ff"],
+                          n_layer=shape["n_layers"], n_head=shape["n_heads"], n_positions=shape["context"],
+                          activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          initializer_range=shape["init_std"], tie_word_embeddings=shape["tie_embeddings"],
+                          bos_token_id=None, eos_token_id=None, use_cache=False)
     common = dict(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["d_model"],

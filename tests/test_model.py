@@ -12,10 +12,45 @@ from ray_diloco.model import PRESETS, build_transformers_model, count_parameters
 
 
 def test_tiny_preset_is_the_baby_gpt_shape():
+    """nanoGPT's CPU baby GPT: GPT-2 blocks (LayerNorm, GELU MLP of 4 x width, learned positions),
+    4 layers, 4 heads, width 128, context 64, no dropout; the head is untied here (nanoGPT ties it)."""
     shape = resolve_model_shape(ModelConfig(preset="tiny"), vocab_size=65)
-    assert (shape["n_layers"], shape["n_heads"], shape["d_model"], shape["context"]) == (4, 4, 128, 64)
-    n = count_parameters(build_transformers_model(shape))
-    assert 0.7e6 < n < 1.1e6
+    assert (shape["family"], shape["n_layers"], shape["n_heads"], shape["d_model"], shape["d_ff"],
+            shape["context"]) == ("gpt2", 4, 4, 128, 512, 64)
+    model = build_transformers_model(shape)
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    cfg = model.config
+    assert cfg.resid_pdrop == cfg.embd_pdrop == cfg.attn_pdrop == 0.0 and cfg.activation_function == "gelu"
+    d, ff, v, ctx = 128, 512, 65, 64
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * ff + ff) + (ff * d + d)  # 2 LayerNorms, attn, MLP
+    assert count_parameters(model) == 4 * block + v * d + ctx * d + 2 * d + v * d  # + wte, wpe, ln_f, head
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(family, tmp_path):
+    """The export path of a run (parameters by fragment, no model built) gives a checkpoint that
+    ``AutoModelForCausalLM`` loads with every parameter and the same logits, for each family;
+    streaming fragments find each family's blocks."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_diloco.config import load_config
+    from ray_diloco.export import write_pretrained
+    from ray_diloco.fragments import block_index, flatten, param_specs, plan_fragments
+
+    cfg = load_config({"model": {"family": family, "n_layers": 3, "n_heads": 2, "d_model": 32, "d_ff": 64,
+                                 "context": 16}, "data": {"seq_len": 16}})
+    torch.manual_seed(0)
+    model = build_transformers_model(resolve_model_shape(cfg.model, 50)).eval()
+    specs = param_specs(model)
+    assert sorted({block_index(s.name) for s in specs} - {None}) == [0, 1, 2]
+    frags = plan_fragments(specs, 3)
+    named = dict(model.named_parameters())
+    write_pretrained(cfg, frags, [flatten(named, f).detach().numpy() for f in frags], 50, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(loaded) is type(model)
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
 
 
 def test_scaling_law_presets_match_the_paper_table():

@@ -1,6 +1,7 @@
 """DiLoCo on a real local Ray: identity, parameter identity, exchange of odd shapes, DDP, DP, export.
 
-The plain-AdamW identity, bf16 and export tests train the transformers preset; the others the
+The plain-AdamW identity (llama), bf16 (qwen3) and export (gpt2, the `tiny` default) tests train
+the transformers families; the others the
 pure-torch ``conftest.TorchLM`` (no transformers import in their actors) or odd custom shapes."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_m1_lr1_mu0_is_plain_adamw(ray_session, tmp_path, corpus):
     """M=1, outer SGD lr 1, momentum 0: the global parameters after every outer step equal the
     replica's local parameters, and equal a plain single-process AdamW loop on the same batches."""
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__H=4, run__steps=12,
-                                     outer__name="sgd", outer__lr=1.0, outer__momentum=0.0))
+                                     outer__name="sgd", outer__lr=1.0, outer__momentum=0.0, model__family="llama"))
     t = _trainer(cfg, tmp_path, corpus)
     try:
         # the plain loop: same init, same shard, same AdamW, same lr schedule, same clipping
@@ -192,7 +193,7 @@ def test_dp_baseline_trains_with_same_metrics(ray_session, tmp_path, corpus):
 def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, corpus):
     import ray
 
-    cfg = load_config(tiny_overrides(tmp_path, run__precision="bf16", run__steps=10))
+    cfg = load_config(tiny_overrides(tmp_path, run__precision="bf16", run__steps=10, model__family="qwen3"))
     t = _trainer(cfg, tmp_path, corpus)
     try:
         rows = [t._round(k) for k in (1, 2)]
