@@ -476,8 +476,10 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     import yaml
     from conftest import ROOT
 
+    # 250 ms one-way latency on the replica-driver links: every outer step lasts >= 0.5 s, so the
+    # 45 steps after the kill outlast a replacement's start-up (~10 s) however fast the model trains
     cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=1200, diloco__H=25, run__eval_every=0,
-                         run__checkpoint_every=10, tracking__wandb=True, run__name="cli")
+                         run__checkpoint_every=10, tracking__wandb=True, run__name="cli", network__latency_ms=250.0)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "WANDB_MODE": "offline"}
