@@ -210,9 +210,14 @@ class Trainer:
         tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
         print(f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
               f"{len(specs)} tensors, {self.num_fragments} fragment(s)", file=sys.stderr)
-        print(f"{c.algorithm}: M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), "
-              f"H={c.diloco.H}, {c.run.steps} inner steps ({c.num_outer_steps} outer), global batch "
-              f"{c.inner.global_batch} x {c.data.seq_len} tokens, {tokens / 1e6:.2f}M tokens", file=sys.stderr)
+        if c.algorithm == "dp":  # no replicas, no outer steps: H only sets the metrics/checkpoint round
+            shape = (f"DDP over {c.diloco.replicas * c.diloco.workers_per_replica} worker(s), {c.run.steps} inner steps "
+                     f"(metrics every {c.diloco.H}: {c.num_outer_steps} rounds)")
+        else:
+            shape = (f"M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), "
+                     f"H={c.diloco.H}, {c.run.steps} inner steps ({c.num_outer_steps} outer)")
+        print(f"{c.algorithm}: {shape}, global batch {c.inner.global_batch} x {c.data.seq_len} tokens, "
+              f"{tokens / 1e6:.2f}M tokens", file=sys.stderr)
         if c.algorithm == "diloco" and (c.diloco.min_replicas > 1 or self.members.target > c.diloco.replicas):
             print(f"elastic: quorum {c.diloco.min_replicas}, up to {self.members.target} replicas, "
                   f"sync timeout {c.diloco.sync_timeout_s:g} s", file=sys.stderr)
