@@ -180,6 +180,18 @@ def global_params(state: dict[str, Any]) -> list[np.ndarray]:
     return state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
 
 
+def checkpoint_config(state: dict[str, Any]) -> Any:
+    """The :class:`~ray_diloco.config.Config` a checkpoint was trained with, its model shape
+    pinned: a checkpoint written before runs recorded the shape gets the presets of that time
+    (:func:`ray_diloco.model.pin_model_fields`)."""
+    from .config import load_config
+    from .model import pin_model_fields
+
+    cfg = load_config(state["config"], validate=False)
+    pin_model_fields(cfg.model, recorded_before_pinning=True)
+    return cfg
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path]:
     """The newest complete checkpoint of a run directory.
 

@@ -149,6 +149,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         raise RayDilocoError(f"--temperature = {a.temperature}: must be a finite number > 0")
     if a.top_k < 0:
         raise RayDilocoError(f"--top-k = {a.top_k}: must be >= 0 (0: no top-k filter)")
+    if not 0 <= a.seed < 2**63:
+        raise RayDilocoError(f"--seed = {a.seed}: must be an integer in [0, 2^63)")
     print(generate(a.run_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed))
     return 0
 

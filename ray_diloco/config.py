@@ -506,7 +506,7 @@ def validate_config(cfg: Config) -> None:
         shape = resolve_model_shape(m, vocab_size=1)
         if shape["d_model"] % shape["n_heads"]:
             e.append(f"model.d_model = {shape['d_model']}: must be divisible by model.n_heads = {shape['n_heads']}")
-        elif (shape["d_model"] // shape["n_heads"]) % 2:
+        elif shape["family"] != "gpt2" and (shape["d_model"] // shape["n_heads"]) % 2:
             e.append(f"model.d_model = {shape['d_model']}: d_model / n_heads = {shape['d_model'] // shape['n_heads']} "
                      "must be even (RoPE rotates pairs of dimensions)")
         if dc.seq_len > shape["context"]:

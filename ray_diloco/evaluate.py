@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import global_params, latest_checkpoint, list_checkpoints, load_checkpoint
-from .config import load_config
+from .checkpoint import checkpoint_config, global_params, latest_checkpoint, list_checkpoints, load_checkpoint
 from .data import load_corpus, load_saved_tokenizer, val_windows
 from .errors import CheckpointError, RayDilocoError
 from .export import model_with_params
@@ -39,7 +38,7 @@ def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None, run_dir: 
             f"run {run_dir or ''} was trained with a custom model_fn (Python API): evaluate or sample it from "
             "Python with ray_diloco.evaluate.evaluate_run(run_dir, model_fn=...) / generate(..., model_fn=...)"
         )
-    cfg = load_config(state["config"], validate=False)
+    cfg = checkpoint_config(state)
     return model_with_params(cfg, global_params(state), vocab_size, model_fn)
 
 
@@ -62,7 +61,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, co
             raise CheckpointError(f"--step {step}: no such checkpoint in {run_dir} (have: {sorted(found) or 'none'})")
         path = found[step]
     state = load_checkpoint(path)
-    cfg = load_config(state["config"], validate=False)
+    cfg = checkpoint_config(state)
     if corpus is None:
         corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
     if state.get("corpus_fingerprint") not in (None, corpus.fingerprint):
@@ -110,12 +109,13 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
         ids = torch.zeros((1, 1), dtype=torch.long)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if context is None:  # a custom model_fn: slide a window of the trained sequence length
-        context = load_config(state["config"], validate=False).data.seq_len
+        context = checkpoint_config(state).data.seq_len
     torch.manual_seed(seed)
     out = ids
     with torch.no_grad():  # a plain sampling loop: the context window slides, as in nanoGPT
         for _ in range(max_new_tokens):
-            logits = logits_of(model(out[:, -context:]))[:, -1, :] / temperature
+            logits = logits_of(model(out[:, -context:]))[:, -1, :].double()
+            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature  # <= 0: no overflow
             if top_k > 0:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

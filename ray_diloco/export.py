@@ -13,7 +13,7 @@ import torch
 from .config import Config
 from .errors import CheckpointError
 from .fragments import Fragment, param_specs, unflatten_into
-from .model import ModelFn
+from .model import ModelFn, resolve_model_shape
 
 
 def check_sizes(fragments: list, params: list[np.ndarray]) -> None:
@@ -95,6 +95,17 @@ def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.nda
     save_torch_state_dict(tensors, str(out_dir))
 
 
+def _save_tokenizer(tokenizer: Any, out_dir: Path, context: int) -> None:
+    """``save_pretrained`` with ``model_max_length`` = the model's context (tokens), so that
+    ``tok(text, truncation=True)`` keeps inputs within the positions the model has."""
+    before = tokenizer.model_max_length
+    tokenizer.model_max_length = context
+    try:
+        tokenizer.save_pretrained(str(out_dir))
+    finally:
+        tokenizer.model_max_length = before
+
+
 def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokenizer: Any, out_dir: Path,
                  model_fn: ModelFn | None = None, fragments: list[Fragment] | None = None) -> Path:
     """Write the global model atomically (a ``.tmp`` directory renamed): a transformers checkpoint
@@ -110,7 +121,7 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
     if model_fn is None and fragments is not None:
         write_pretrained(cfg, fragments, params, vocab_size, tmp, tokenizer)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            _save_tokenizer(tokenizer, tmp, resolve_model_shape(cfg.model, vocab_size)["context"])
     else:
         model = model_with_params(cfg, params, vocab_size, model_fn)
         if hasattr(model, "save_pretrained"):
@@ -121,8 +132,9 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
 
                     model.generation_config = GenerationConfig.from_model_config(model.config)
             model.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                tokenizer.save_pretrained(str(tmp))
+            if tokenizer is not None:  # a model_fn model: the sequence length it was trained on
+                _save_tokenizer(tokenizer, tmp, cfg.data.seq_len if model_fn is not None
+                                else resolve_model_shape(cfg.model, vocab_size)["context"])
         else:
             torch.save(model.state_dict(), tmp / "model.pt")
     old = out_dir.with_name(out_dir.name + ".old")  # swap: a kill leaves the old export or the new one

@@ -41,7 +41,28 @@ PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
     "10b": ("qwen3", 48, 64, 4096, 16384, 2048, 1e-4),
 }
 
+#: What a preset meant before 2026-12-01, for runs recorded then: their config left the shape
+#: fields None (the preset's), and `tiny` was a llama-family model. See :func:`pin_model_fields`.
+LEGACY_PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {"tiny": ("llama", 4, 4, 128, 352, 64, 0.0)}
+SHAPE_FIELDS = ("family", "n_layers", "n_heads", "d_model", "d_ff", "context", "z_loss")
+
 ModelFn = Callable[[dict[str, Any], int], torch.nn.Module]
+
+
+def pin_model_fields(cfg: ModelConfig, recorded_before_pinning: bool = False) -> ModelConfig:
+    """Fill each shape field of ``cfg`` left ``None`` (family, layers, heads, width, FFN, context,
+    z-loss) with its preset's value, in place, and return ``cfg``.
+
+    A run pins its config before it starts, so its ``config.yaml`` and checkpoints record the
+    model actually trained, whatever later versions make of the preset. A config recorded before
+    runs did this (``recorded_before_pinning``) gets the preset's meaning at that time
+    (:data:`LEGACY_PRESETS`). ``vocab_size`` stays as it is (None: the tokenizer's).
+    """
+    table = {**PRESETS, **LEGACY_PRESETS} if recorded_before_pinning else PRESETS
+    for field, value in zip(SHAPE_FIELDS, table[cfg.preset]):
+        if getattr(cfg, field) is None:
+            setattr(cfg, field, value)
+    return cfg
 
 
 def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import (
+    checkpoint_config,
     global_params,
     list_checkpoints,
     load_checkpoint,
@@ -52,7 +53,7 @@ from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, 
 from .errors import CheckpointError, ClusterError, ConfigError, DataError
 from .exchange import communication_summary
 from .export import check_sizes, export_model
-from .model import ModelFn
+from .model import SHAPE_FIELDS, ModelFn, pin_model_fields
 from .replica import fragment_plan
 from .schedules import SyncSchedule, is_due, outer_step_bounds
 from .storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
@@ -153,6 +154,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, corpus: Corpus, model_fn: ModelFn | None = None,
                  resume_state: dict[str, Any] | None = None):
+        pin_model_fields(cfg.model)  # config.yaml and checkpoints record the model trained, not a preset name
         self.cfg, self.run_dir, self.corpus, self.model_fn = cfg, run_dir, corpus, model_fn
         self.resume_state = resume_state
         self.state = RunState()
@@ -651,9 +653,15 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         ckpts = list_checkpoints(run_dir)
         if ckpts:
             state = load_checkpoint(ckpts[-1][1])
-            saved = load_config(state["config"], validate=False)
+            saved = checkpoint_config(state)
+            for name in SHAPE_FIELDS:  # a run recorded before its shape was pinned: the shape it trained
+                if getattr(cfg.model, name) is None and cfg.model.preset == saved.model.preset:
+                    setattr(cfg.model, name, getattr(saved.model, name))
             _check_resumable(cfg, saved)
             done = int(state["counters"]["inner_step"])
+            if cfg.run.steps < done:
+                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint has already trained {done} inner steps; "
+                                   f"give at least {done} (more extends the run)"])
             if cfg.run.steps > saved.run.steps and done % cfg.diloco.H:
                 raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint ends at inner step {done}, part way "
                                    f"through an outer step of diloco.H = {cfg.diloco.H} (its run.steps = "
@@ -668,6 +676,24 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
     if address is not None:
         cfg.run.address = address
     return cfg, run_dir, state
+
+
+def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """A finished run resumed with nothing left to train: its summary, nothing started or written
+    (None when summary.json cannot be read: the run then goes through its last steps again and
+    writes it anew)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict):
+        return None
+    loss = summary.get("final_eval_loss")
+    print(f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
+          "trains it further)", file=sys.stderr)
+    print("final validation loss of the global model: " + (f"{loss:.4f}" if isinstance(loss, float) else str(loss)))
+    print(f"run directory: {run_dir}")
+    return summary
 
 
 def train(config: Any = None, overrides: list[str] | None = None, *, resume: str | Path | None = None,
@@ -692,6 +718,10 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     import ray
 
     cfg, run_dir, rs = prepare(config, overrides, resume, address)
+    if rs is not None and int(rs["counters"]["inner_step"]) >= cfg.run.steps and (run_dir / "summary.json").is_file():
+        finished = _finished(run_dir, cfg.run.steps)
+        if finished is not None:
+            return finished
     tok_dir = run_dir / "tokenizer"
     if corpus is None:
         tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None

@@ -125,6 +125,16 @@ def test_train_eval_generate_then_kill_and_resume_matches_the_uninterrupted_run(
     gen = run_cli(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
+    # a temperature near 0 is greedy decoding: the same text whatever the seed (no overflow to nan)
+    greedy = [run_cli(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature",
+                       "1e-40", "--seed", seed], timeout=300) for seed in ("1", "2")]
+    assert all(g.returncode == 0 for g in greedy), greedy[0].stderr[-2000:]
+    assert greedy[0].stdout == greedy[1].stdout and len(greedy[0].stdout.strip()) >= 20
+    _one_error_line(run_cli(["generate", str(full_dir), "--seed", str(2**64)], timeout=120), "--seed", str(2**64))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(full_dir / "final"))  # truncation keeps inputs within the context
+    assert tok.model_max_length == 16 and len(tok("ROMEO: " * 20, truncation=True)["input_ids"]) == 16
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),

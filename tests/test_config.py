@@ -95,9 +95,12 @@ def test_bad_set_syntax_and_missing_file():
 
 
 def test_head_dim_must_be_even_for_rope():
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["model.d_model=60", "model.n_heads=4"])
-    assert "d_model / n_heads = 15" in e.value.lines()[0]
+    """llama and qwen3 rotate pairs of dimensions (RoPE); gpt2 has learned positions, any head size."""
+    for family in ("llama", "qwen3"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["model.d_model=60", "model.n_heads=4", f"model.family={family}"])
+        assert "d_model / n_heads = 15" in e.value.lines()[0]
+    assert load_config(None, ["model.d_model=60", "model.n_heads=4", "model.family=gpt2"]).model.d_model == 60
 
 
 def test_resume_cannot_change_the_data_slots():

@@ -456,6 +456,12 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
                           streaming__quantization="int8", tracking__wandb=False)
     first = ray_diloco.train(over, corpus=corpus, model_fn=torch_lm)
     assert first["inner_steps"] == 16
+    from pathlib import Path
+
+    tree = lambda: sorted((str(p), p.stat().st_mtime_ns) for p in Path(first["run_dir"]).rglob("*"))  # noqa: E731
+    before = tree()
+    again = ray_diloco.train(resume=first["run_dir"], corpus=corpus, model_fn=torch_lm)  # finished: nothing to do
+    assert again == json.loads((Path(first["run_dir"]) / "summary.json").read_text()) and tree() == before
     # fragment 1 (phase 4) last sent at 12 and merged at 13 < T, so it closed with a send at 16; its
     # next regular send is at 20 in the extended schedule
     more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=32"], corpus=corpus, model_fn=torch_lm)

@@ -245,6 +245,73 @@ def test_resume_refuses_structural_changes(tmp_path):
         prepare("dp", resume=tmp_path)
 
 
+def _fake_run(tmp_path, name: str, cfg_dict: dict, inner_step: int, params: list | None = None):
+    """A run directory with config.yaml and one checkpoint (no Ray): what --resume and eval read."""
+    import yaml
+
+    from ray_diloco.checkpoint import save_checkpoint
+
+    run_dir = tmp_path / "runs" / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    state = {"format": 1, "outer_step": 1, "config": cfg_dict, "counters": {"inner_step": inner_step},
+             "outer": {"global": params} if params is not None else None, "workers": {}, "corpus_fingerprint": ""}
+    save_checkpoint(run_dir, 1, state, keep=1)
+    return run_dir
+
+
+def _tree(run_dir):
+    return sorted((str(p.relative_to(run_dir)), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+
+
+def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_path):
+    """A run's config pins every shape field (config.yaml and checkpoints name the model trained,
+    not a preset whose meaning may change). A run recorded before that (fields None) evaluates,
+    samples and resumes as the model it trained: `tiny` was then a llama of FFN 352. Resume
+    compares resolved shapes, so restating the trained family is allowed and another is refused
+    with one line, the run directory untouched. Fewer steps than already trained are refused."""
+    from ray_diloco.errors import ConfigError
+    from ray_diloco.evaluate import model_from_checkpoint
+    from ray_diloco.model import build_transformers_model, pin_model_fields, resolve_model_shape
+    from ray_diloco.trainer import prepare
+
+    new = pin_model_fields(load_config({}).model)
+    assert (new.family, new.n_layers, new.n_heads, new.d_model, new.d_ff, new.context) == ("gpt2", 4, 4, 128, 512, 64)
+
+    old = load_config({"run": {"steps": 40, "output_dir": str(tmp_path / "runs")}, "diloco": {"H": 10}}).to_dict()
+    assert old["model"]["family"] is None and old["model"]["d_ff"] is None  # as runs wrote it before
+    torch.manual_seed(0)
+    llama = build_transformers_model(resolve_model_shape(load_config(
+        {"model": {"family": "llama", "d_ff": 352}}).model, 65))
+    frag = plan_fragments(param_specs(llama), 1)
+    params = [flatten(dict(llama.named_parameters()), f).detach().numpy() for f in frag]
+    run_dir = _fake_run(tmp_path, "old", old, inner_step=20, params=params)
+    before = _tree(run_dir)
+
+    model = model_from_checkpoint({"config": old, "outer": {"global": params}}, 65)  # eval and generate load this
+    x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert type(model).__name__ == "LlamaForCausalLM" and torch.equal(model(x).logits, llama.eval()(x).logits)
+
+    cfg, _, _ = prepare(resume=run_dir)
+    assert (cfg.model.family, cfg.model.d_ff) == ("llama", 352)
+    cfg, _, _ = prepare(resume=run_dir, overrides=["model.family=llama", "model.d_ff=352", "run.steps=60"])
+    assert cfg.run.steps == 60
+    with pytest.raises(ConfigError) as e:
+        prepare(resume=run_dir, overrides=["model.family=gpt2"])
+    assert e.value.problems == ["model.family = 'gpt2': the checkpoint was trained with 'llama'; it cannot change on resume"]
+    with pytest.raises(ConfigError) as e:
+        prepare(resume=run_dir, overrides=["run.steps=15"])
+    assert e.value.problems == ["run.steps = 15: the checkpoint has already trained 20 inner steps; give at least 20 "
+                                "(more extends the run)"]
+    assert _tree(run_dir) == before
+
+    pinned = load_config({"run": {"steps": 40, "output_dir": str(tmp_path / "runs")}})
+    pin_model_fields(pinned.model)
+    gpt2_dir = _fake_run(tmp_path, "new", pinned.to_dict(), inner_step=20)
+    assert prepare(resume=gpt2_dir, overrides=["model.family=gpt2"])[0].model.family == "gpt2"
+
+
 def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(ray_session, tmp_path, corpus):
     """A start-up failure leaves config.yaml (and a metrics row or two) but no checkpoint: --resume
     runs it again from step 0 with its config instead of refusing the directory, and the stale
