@@ -515,7 +515,8 @@ class Trainer:
             "workers": workers_state,
             "membership": self.members.state_dict() if self.members is not None else None,
         }
-        return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
+        with _signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
+            return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
 
     def global_params(self) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
@@ -618,19 +619,24 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
 
 
 @contextlib.contextmanager
-def _signals_deferred():
-    """Ignore SIGINT/SIGTERM inside the block (main thread only), then restore the handlers."""
+def _signals_deferred(replay: bool = False):
+    """Hold SIGINT/SIGTERM inside the block (main thread only), then restore the handlers. With
+    ``replay`` the first signal that arrived meanwhile is delivered after the block (a checkpoint
+    write finishes, then the run stops); without, it is dropped (clean-up already under way)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    pending: list[int] = []
     for sig in saved:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if replay and pending:
+            signal.raise_signal(pending[0])
 
 
 def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,

@@ -190,6 +190,31 @@ def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path, small_text):
     assert steps and all(p.startswith("step_") for p in steps) and not (run_dir / "summary.json").exists()
 
 
+def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
+    """Ctrl-C or SIGTERM inside torch.save used to fail the write ("cannot be written"): the
+    checkpoint is now written whole and the interrupt raised after it (SIGTERM as the CLI maps it)."""
+    import torch
+
+    from ray_diloco import cluster
+    from ray_diloco.checkpoint import list_checkpoints, save_checkpoint
+    from ray_diloco.trainer import _signals_deferred
+
+    state = {"outer_step": 1, "big": torch.arange(2_000_000, dtype=torch.float32)}
+    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _signals_deferred(replay=True):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)  # the handler has run: without the deferral the interrupt is raised here
+                save_checkpoint(tmp_path, 1, state, keep=1)
+        assert signal.getsignal(signal.SIGTERM) is cluster.raise_keyboard_interrupt
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    (step, path), = list_checkpoints(tmp_path)
+    assert step == 1 and torch.equal(torch.load(path / "state.pt", weights_only=True)["big"], state["big"])
+
+
 def test_unreachable_ray_address_fails_fast(tmp_path):
     t = time.time()
     proc = run_cli(["train", "--address", "127.0.0.1:1", "--set", f"run.output_dir={tmp_path}"], timeout=120)
