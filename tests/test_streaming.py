@@ -114,10 +114,12 @@ def test_schedule_with_one_fragment_is_diloco():
 
 
 def test_overlap_must_fit_between_fragment_syncs():
-    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 13: must be < diloco.H / F = 50 / 4 = 12.5 \(F = 4 fragments: 2 of blocks"):
+    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 13: must be < diloco.H / F = 50 / 4 = 12.5 "
+                                          r"\(F = 4 fragments: 2 of blocks"):
         load_config({"streaming": {"fragments": 2, "overlap_steps": 13}})
     load_config({"streaming": {"fragments": 2, "overlap_steps": 12}})
-    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 50: must be < diloco.H / F = 50 / 1 = 50 \(F = 1 fragment;"):
+    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 50: must be < diloco.H / F = 50 / 1 = 50 "
+                                          r"\(F = 1 fragment;"):
         load_config({"streaming": {"overlap_steps": 50}})
 
 
