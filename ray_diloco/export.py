@@ -118,10 +118,12 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     _remove(tmp)
     tmp.mkdir(parents=True)
+    # the tokenizer's model_max_length: the preset's context, or the sequence length a model_fn model trained on
+    context = cfg.data.seq_len if model_fn is not None else resolve_model_shape(cfg.model, vocab_size)["context"]
     if model_fn is None and fragments is not None:
         write_pretrained(cfg, fragments, params, vocab_size, tmp, tokenizer)
         if tokenizer is not None:
-            _save_tokenizer(tokenizer, tmp, resolve_model_shape(cfg.model, vocab_size)["context"])
+            _save_tokenizer(tokenizer, tmp, context)
     else:
         model = model_with_params(cfg, params, vocab_size, model_fn)
         if hasattr(model, "save_pretrained"):
@@ -132,9 +134,8 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
 
                     model.generation_config = GenerationConfig.from_model_config(model.config)
             model.save_pretrained(str(tmp))
-            if tokenizer is not None:  # a model_fn model: the sequence length it was trained on
-                _save_tokenizer(tokenizer, tmp, cfg.data.seq_len if model_fn is not None
-                                else resolve_model_shape(cfg.model, vocab_size)["context"])
+            if tokenizer is not None:
+                _save_tokenizer(tokenizer, tmp, context)
         else:
             torch.save(model.state_dict(), tmp / "model.pt")
     old = out_dir.with_name(out_dir.name + ".old")  # swap: a kill leaves the old export or the new one

@@ -70,20 +70,10 @@ def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
 
     ``vocab_size`` (from the tokenizer) is used unless ``cfg.vocab_size`` is set.
     """
-    family, layers, heads, d_model, d_ff, context, z_loss = PRESETS[cfg.preset]
-    pick = lambda v, d: d if v is None else v  # noqa: E731
-    return {
-        "family": pick(cfg.family, family),
-        "n_layers": pick(cfg.n_layers, layers),
-        "n_heads": pick(cfg.n_heads, heads),
-        "d_model": pick(cfg.d_model, d_model),
-        "d_ff": pick(cfg.d_ff, d_ff),
-        "context": pick(cfg.context, context),
-        "vocab_size": pick(cfg.vocab_size, vocab_size),
-        "z_loss": pick(cfg.z_loss, z_loss),
-        "init_std": cfg.init_std,
-        "tie_embeddings": cfg.tie_embeddings,
-    }
+    preset = dict(zip(SHAPE_FIELDS, PRESETS[cfg.preset]))
+    shape = {k: preset[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in SHAPE_FIELDS}
+    return {**shape, "vocab_size": vocab_size if cfg.vocab_size is None else cfg.vocab_size,
+            "init_std": cfg.init_std, "tie_embeddings": cfg.tie_embeddings}
 
 
 def hf_config(shape: dict[str, Any]):

@@ -53,7 +53,7 @@ from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, 
 from .errors import CheckpointError, ClusterError, ConfigError, DataError
 from .exchange import communication_summary
 from .export import check_sizes, export_model
-from .model import SHAPE_FIELDS, ModelFn, pin_model_fields
+from .model import ModelFn, pin_model_fields
 from .replica import fragment_plan
 from .schedules import SyncSchedule, is_due, outer_step_bounds
 from .storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
@@ -660,9 +660,7 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         if ckpts:
             state = load_checkpoint(ckpts[-1][1])
             saved = checkpoint_config(state)
-            for name in SHAPE_FIELDS:  # a run recorded before its shape was pinned: the shape it trained
-                if getattr(cfg.model, name) is None and cfg.model.preset == saved.model.preset:
-                    setattr(cfg.model, name, getattr(saved.model, name))
+            pin_model_fields(cfg.model, recorded_before_pinning=True)  # config.yaml of a run from before: its shape
             _check_resumable(cfg, saved)
             done = int(state["counters"]["inner_step"])
             if cfg.run.steps < done:
