@@ -683,14 +683,15 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
 
 
 def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
-    """A finished run resumed with nothing left to train: its summary, nothing started or written
-    (None when summary.json cannot be read: the run then goes through its last steps again and
-    writes it anew)."""
+    """A finished run resumed with nothing left to train: its summary, nothing started or written.
+    None when summary.json cannot be read or is not that of the checkpoint's ``steps`` (an extension
+    interrupted after its last checkpoint leaves the earlier summary and export): the run then
+    goes through its end again, export and summary included."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict):
+    if not isinstance(summary, dict) or summary.get("inner_steps") != steps:
         return None
     loss = summary.get("final_eval_loss")
     print(f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
@@ -723,7 +724,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
 
     cfg, run_dir, rs = prepare(config, overrides, resume, address)
     if rs is not None and int(rs["counters"]["inner_step"]) >= cfg.run.steps and (run_dir / "summary.json").is_file():
-        finished = _finished(run_dir, cfg.run.steps)
+        finished = _finished(run_dir, int(rs["counters"]["inner_step"]))
         if finished is not None:
             return finished
     tok_dir = run_dir / "tokenizer"

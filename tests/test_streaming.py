@@ -471,6 +471,11 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     assert more["communication"]["bytes_up_per_replica"] > first["communication"]["bytes_up_per_replica"]
     step, _ = latest_checkpoint(first["run_dir"])
     assert step == 4 and prepare(resume=first["run_dir"])[2]["counters"]["inner_step"] == 32
+    # an extension killed after its last checkpoint leaves the earlier summary: the resume redoes the end
+    (Path(first["run_dir"]) / "summary.json").write_text(json.dumps(first))
+    redone = ray_diloco.train(resume=first["run_dir"], corpus=corpus, model_fn=torch_lm)
+    assert redone["inner_steps"] == 32 and redone["final_eval_loss"] == more["final_eval_loss"]
+    assert json.loads((Path(first["run_dir"]) / "summary.json").read_text())["inner_steps"] == 32
 
 
 def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp_path):
