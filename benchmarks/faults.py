@@ -37,8 +37,8 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
     import ray
 
     from ray_diloco.config import load_config
-    from ray_diloco.data import load_corpus
-    from ray_diloco.trainer import Trainer, _new_run_dir
+    from ray_diloco.components.data import load_corpus
+    from ray_diloco.runtime.trainer import Trainer, _new_run_dir
 
     cfg = load_config(None, ["diloco.replicas=2", "diloco.H=50", f"run.steps={steps}", "run.eval_every=0",
                              "run.checkpoint_every=0", f"run.output_dir={out_dir}", f"run.name={name}",
@@ -67,7 +67,7 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
             killer = threading.Thread(target=kill) if k == kill_step else None
             if killer:
                 killer.start()
-            row = t._round(k)
+            row = t.outer_step(k)
             done = time.monotonic()
             if killer:
                 killer.join()

@@ -7,15 +7,15 @@ Python API::
     summary = ray_diloco.train({"diloco": {"replicas": 2, "H": 50}}, overrides=["run.steps=200"])
 """
 
-from .config import Config, load_config
-from .errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
+from ray_diloco.config import Config, load_config
+from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
 
 __version__ = "0.1.0"
 
 
 def train(*args, **kwargs):
-    """Run DiLoCo or the DP baseline; see :func:`ray_diloco.trainer.train`."""
-    from .trainer import train as _train
+    """Run DiLoCo or the DP baseline; see :func:`ray_diloco.runtime.trainer.train`."""
+    from ray_diloco.runtime.trainer import train as _train
 
     return _train(*args, **kwargs)
 

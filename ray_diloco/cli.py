@@ -11,7 +11,7 @@ import math
 import os
 import sys
 
-from .errors import RayDilocoError
+from ray_diloco.errors import RayDilocoError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -125,14 +125,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from .trainer import train
+    from ray_diloco.runtime.trainer import train
 
     train(a.config, a.overrides, resume=a.resume, address=a.address)
     return 0
 
 
 def _cmd_eval(a: argparse.Namespace) -> int:
-    from .evaluate import evaluate_run
+    from ray_diloco.components.evaluate import evaluate_run
 
     loss, step, path = evaluate_run(a.run_dir, a.step)
     print(f"checkpoint: {path}")
@@ -141,7 +141,7 @@ def _cmd_eval(a: argparse.Namespace) -> int:
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
-    from .evaluate import generate
+    from ray_diloco.components.evaluate import generate
 
     if a.max_new_tokens < 1:
         raise RayDilocoError(f"--max-new-tokens = {a.max_new_tokens}: must be >= 1")
@@ -156,19 +156,19 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _cmd_config(a: argparse.Namespace) -> int:
-    from .config import load_config
+    from ray_diloco.config import load_config
 
     print(load_config(a.config, a.overrides).to_yaml(), end="")
     return 0
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from .config import load_config
-    from .plan import format_plan, sync_plan
+    from ray_diloco.config import load_config
+    from ray_diloco.analysis.plan import format_plan, sync_plan
 
     if a.config_file is not None and a.config is not None:
         raise RayDilocoError(f"plan: give the config once (CONFIG {a.config_file!r} or --config {a.config!r})")
-    from .errors import UsageError
+    from ray_diloco.errors import UsageError
 
     bad = [f"{flag} = {v}: must be >= 0" for flag, v in (("--from-step", a.from_step), ("--next", a.upcoming)) if v < 0]
     sim = {"--tflops": a.tflops, "--mfu": a.mfu, "--bandwidth-gbps": a.bandwidth_gbps, "--latency-ms": a.latency_ms}
@@ -189,7 +189,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     p = sync_plan(cfg, a.from_step, a.upcoming)
     print(format_plan(p))
     if a.chips is not None:
-        from .plan import format_wall_clock, wall_clock_plan
+        from ray_diloco.analysis.plan import format_wall_clock, wall_clock_plan
 
         p["wall_clock"] = wall_clock_plan(cfg, p, a.chips, a.tflops or 300.0, a.mfu or 0.6, a.bandwidth_gbps,
                                           a.latency_ms)
@@ -231,7 +231,7 @@ def _write_json(path: str, obj: object) -> None:
     """Write ``obj`` as strict JSON (non-finite numbers as null, numpy scalars as numbers)."""
     import json
 
-    from .storage import write_text
+    from ray_diloco.components.storage import write_text
 
     write_text(path, json.dumps(_strict(obj), indent=2, default=float, allow_nan=False) + "\n")
 
@@ -239,7 +239,7 @@ def _write_json(path: str, obj: object) -> None:
 def _cmd_fit(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .laws import DEFAULT_STARTS, fit_all, format_fits, load_table
+    from ray_diloco.analysis.laws import DEFAULT_STARTS, fit_all, format_fits, load_table
 
     if a.starts is None:
         a.starts = DEFAULT_STARTS
@@ -258,7 +258,7 @@ def _cmd_fit(a: argparse.Namespace) -> int:
     if a.json:
         _write_json(a.json, fits)
     if not a.no_plots:
-        from .plots import plot_fits
+        from ray_diloco.analysis.plots import plot_fits
 
         for p in plot_fits(fits, out):
             print(f"plot: {p}")
@@ -269,7 +269,7 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .laws import fit_all, format_prediction, load_table, paper_fits, predict
+    from ray_diloco.analysis.laws import fit_all, format_prediction, load_table, paper_fits, predict
 
     if not (math.isfinite(a.params) and a.params > 0):
         raise RayDilocoError(f"--params = {a.params}: must be a finite number of parameters > 0")
@@ -344,8 +344,8 @@ def _simulate_problems(a: argparse.Namespace) -> list[str]:
 
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
-    from .errors import UsageError
-    from .simulate import (METHODS, TARGETS, Method, ModelSpec, bandwidth_table, format_bandwidth_table, paper_rows,
+    from ray_diloco.errors import UsageError
+    from ray_diloco.analysis.simulate import (METHODS, TARGETS, Method, ModelSpec, bandwidth_table, format_bandwidth_table, paper_rows,
                            step_time_s)
 
     problems = _simulate_problems(a)
@@ -386,14 +386,14 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
         _write_json(a.json, [{**r, "params": a.params, "layers": a.layers, "step_s": step,
                               "latency_s": a.latency_ms / 1000} for r in rows])
     if a.plot:
-        from .plots import plot_utilisation
+        from ray_diloco.analysis.plots import plot_utilisation
 
         print(f"plot: {plot_utilisation(model, methods, a.plot, a.latency_ms / 1000)}")
     return 0
 
 
 def _cmd_tune(a: argparse.Namespace) -> int:
-    from .sweep import tune
+    from ray_diloco.tune.sweep import tune
 
     if a.resume is not None and a.overrides:
         raise RayDilocoError(f"--set {a.overrides[0]}: cannot be combined with --resume (the sweep's saved space is used)")
@@ -409,7 +409,7 @@ def _cmd_tune(a: argparse.Namespace) -> int:
 
 
 def _cmd_scale(a: argparse.Namespace) -> int:
-    from .elastic import request_scale
+    from ray_diloco.runtime.membership import request_scale
 
     path = request_scale(a.run_dir, a.replicas)
     print(f"asked for {a.replicas} replica(s) from the next outer step ({path})")
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     import signal
 
-    from . import cluster
+    from ray_diloco.runtime import cluster
 
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)

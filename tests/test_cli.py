@@ -44,7 +44,7 @@ def _one_error_line(proc, *needles):
 def test_invalid_input_one_line_no_traceback(override, needles, tmp_path, capsys):
     """The CLI's main() in this process (the same code as the console script; the subprocess
     path is covered by the tests below): exit 2, one error line naming the field, nothing written."""
-    from ray_diloco import cluster
+    from ray_diloco.runtime import cluster
     from ray_diloco.cli import main
 
     saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
@@ -195,9 +195,9 @@ def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
     checkpoint is now written whole and the interrupt raised after it (SIGTERM as the CLI maps it)."""
     import torch
 
-    from ray_diloco import cluster
-    from ray_diloco.checkpoint import list_checkpoints, save_checkpoint
-    from ray_diloco.trainer import _signals_deferred
+    from ray_diloco.runtime import cluster
+    from ray_diloco.components.checkpoint import list_checkpoints, save_checkpoint
+    from ray_diloco.runtime.trainer import _signals_deferred
 
     state = {"outer_step": 1, "big": torch.arange(2_000_000, dtype=torch.float32)}
     before = signal.getsignal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ray_diloco.config import DataConfig
-from ray_diloco.data import ShardReader, load_corpus, num_train_windows, val_windows
+from ray_diloco.components.data import ShardReader, load_corpus, num_train_windows, val_windows
 from ray_diloco.errors import DataError
 
 
@@ -89,7 +89,7 @@ def test_hugging_face_tokenizer_by_local_path(corpus, small_text, tmp_path):
 def test_failed_checkpoint_write_leaves_older_checkpoints_intact(tmp_path):
     import threading
 
-    from ray_diloco.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from ray_diloco.components.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
     from ray_diloco.errors import CheckpointError
 
     good = {"format": 1, "outer_step": 1, "config": {}, "counters": {}, "outer": None, "workers": {},
@@ -115,7 +115,7 @@ class _Evil:
 def test_loading_a_checkpoint_never_runs_code_from_it(tmp_path):
     import torch
 
-    from ray_diloco.checkpoint import load_checkpoint
+    from ray_diloco.components.checkpoint import load_checkpoint
     from ray_diloco.errors import CheckpointError
 
     marker = tmp_path / "PWNED"
@@ -128,14 +128,14 @@ def test_loading_a_checkpoint_never_runs_code_from_it(tmp_path):
 
 
 def test_run_directory_lock_is_exclusive(tmp_path):
-    from ray_diloco.checkpoint import lock_run_dir
+    from ray_diloco.components.checkpoint import lock_run_dir
     from ray_diloco.errors import CheckpointError
 
     held = lock_run_dir(tmp_path)
     import subprocess
     import sys
 
-    code = ("from ray_diloco.checkpoint import lock_run_dir\n"
+    code = ("from ray_diloco.components.checkpoint import lock_run_dir\n"
             f"lock_run_dir({str(tmp_path)!r})")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert other.returncode != 0 and "in use by another" in other.stderr

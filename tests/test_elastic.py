@@ -18,16 +18,16 @@ from conftest import tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ClusterError
-from ray_diloco.outer import OuterOptimizer
-from ray_diloco.quantize import Packed, quantize_message, to_message
-from ray_diloco.replica import tensor_hash
-from ray_diloco.trainer import Trainer, _new_run_dir
+from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.quantize import Packed, quantize_message, to_message
+from ray_diloco.core.fragments import tensor_hash
+from ray_diloco.runtime.trainer import Trainer, _new_run_dir
 
 N = 257
 
 
 def _driver(ray, replicas=3, quorum=2, timeout=0.5, fmt="none"):
-    from ray_diloco.driver import OuterDriverActor
+    from ray_diloco.runtime.driver import OuterDriverActor
 
     cfg = load_config({"diloco": {"replicas": replicas, "min_replicas": quorum, "sync_timeout_s": timeout},
                        "inner": {"global_batch": 6}, "streaming": {"quantization": fmt}})
@@ -48,7 +48,7 @@ def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
     completes with 0 and 1 (token-weighted mean, exact) after the timeout, not before and not much
     later; 2's late pseudo-gradient is dropped, and its reply brings it to the same global
     parameters bitwise."""
-    from ray_diloco.exchange import decode_reply
+    from ray_diloco.core.wire import decode_reply
 
     ray = ray_session
     driver, theta0, cfg = _driver(ray)
@@ -169,18 +169,18 @@ def test_nan_replica_is_rejected_reset_and_training_goes_on(ray_session, tmp_pat
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=15, run__eval_every=0))
     t = _trainer(cfg, corpus)
     try:
-        t._round(1)
+        t.outer_step(1)
         r1 = t.replicas[1].rank0
         local = [np.full_like(a, np.nan) for a in
                  ray.get([r1.local_fragment.remote(p) for p in range(t.num_fragments)])]
         ray.get(r1.load_local.remote(local))
-        row = t._round(2)
+        row = t.outer_step(2)
         assert [(e["event"], e["replica"]) for e in row["events"]] == [("rejected", 1)]
         assert row["membership"] == {"rejected": 1}
         glob = t.global_params()
         assert all(np.isfinite(g).all() for g in glob)
         assert ray.get(r1.params_hash.remote()) == row["global_sha256"]  # reset to the global parameters
-        row = t._round(3)
+        row = t.outer_step(3)
         assert "events" not in row and np.isfinite(row["train_loss"])
         assert sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1"]
         assert np.isfinite(t.evaluate())
@@ -200,8 +200,8 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
     blocker = _blocker(ray, 1.0)  # 2 CPUs - 2 x 0.5 for the replicas: no room for a third
     t = _trainer(cfg, corpus)
     try:
-        t._round(1)
-        t._round(2)
+        t.outer_step(1)
+        t.outer_step(2)
         assert len(t.replicas) == 2 and len(t.members.launches) == 1  # requested, waiting for room
         assert t.members.launches[0].stage == "placing"
         ray.util.remove_placement_group(blocker)
@@ -224,7 +224,7 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
         assert hashes == {before["global"]}
         windows = [set(ray.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas]
         assert not (windows[2] & windows[0]) and not (windows[2] & windows[1])
-        row = t._round(3)
+        row = t.outer_step(3)
         assert row["replicas_live"] == 3 and sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1", "replica_2"]
         traces = [ray.get(r.rank0.sync_trace.remote()) for r in t.replicas]
         first = traces[2][0]
@@ -251,18 +251,18 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
     t = _trainer(cfg, corpus)
     blocker = None
     try:
-        t._round(1)
+        t.outer_step(1)
         # node loss: replica 1's process dies and its node's CPUs are gone (here: its placement
         # group is removed and the CPUs taken), so the replacement cannot be placed
         _kill(t.replicas[1].rank0)
         ray.util.remove_placement_group(t.replicas[1].placement_group)
         blocker = _blocker(ray, 1.5)
-        t._round(2)  # the death is found here; the replica is removed and a replacement requested
+        t.outer_step(2)  # the death is found here; the replica is removed and a replacement requested
         assert [r.index for r in t.replicas] == [0]
         assert t.members.launches and t.members.launches[0].stage == "placing"
         mem, store = [], []
         for k in range(3, 203):
-            t._round(k)
+            t.outer_step(k)
             if k in (12, 202):
                 mem.append(ray.get(t.outer.memory.remote()))
                 store.append(_object_store_bytes())
@@ -279,7 +279,7 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
         while not t.members.poll():  # the replacement starts while nothing trains
             assert time.monotonic() < deadline, "the replacement did not start"
             time.sleep(0.2)
-        rows = [t._round(k) for k in range(203, 206)]
+        rows = [t.outer_step(k) for k in range(203, 206)]
         assert rows[0]["replicas_live"] == 2 and [e["event"] for e in rows[0]["events"]][:1] == ["join"]
         assert all(r.get("fragment_syncs") == 1 for r in rows)  # outer steps complete again
     finally:
@@ -292,7 +292,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
     """The driver is SIGKILLed at a random point; the run stops with a ClusterError naming the
     driver. Resuming from the last checkpoint finishes the run, and the outer step after the
     restored checkpoint is bitwise equal to an uninterrupted run's (deterministic mode)."""
-    from ray_diloco.checkpoint import latest_checkpoint, load_checkpoint
+    from ray_diloco.components.checkpoint import latest_checkpoint, load_checkpoint
 
     ray = ray_session
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
@@ -300,7 +300,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
                 streaming__quantization="fp4_e3m0")
     ref = _trainer(load_config(tiny_overrides(tmp_path, run__name="ref", **over)), corpus)
     try:
-        rows = {k: ref._round(k) for k in range(1, 7)}
+        rows = {k: ref.outer_step(k) for k in range(1, 7)}
     finally:
         ref.shutdown()
     t = _trainer(load_config(tiny_overrides(tmp_path, run__name="killed", **over)), corpus)
@@ -313,7 +313,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
             for k in range(1, 7):
                 if k == k_kill:
                     killer.start()  # somewhere in this round, its checkpoint or the next round
-                t._round(k)
+                t.outer_step(k)
                 t.checkpoint()
         assert isinstance(err.value, ray.exceptions.RayError) or "driver" in str(err.value)
     finally:
@@ -326,7 +326,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
     cfg = load_config(tiny_overrides(tmp_path, run__name="resumed", **over))
     t2 = _trainer(cfg, corpus, resume_state=state)
     try:
-        again = {k: t2._round(k) for k in range(k0 + 1, 7)}
+        again = {k: t2.outer_step(k) for k in range(k0 + 1, 7)}
     finally:
         t2.shutdown()
     assert sorted(again) == list(range(k0 + 1, 7))  # the run finishes
@@ -363,7 +363,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
                 if k in kills:
                     killer = threading.Thread(target=_chaos_kill, args=(t, kills[k]))
                     killer.start()
-                rows.append(t._round(k))
+                rows.append(t.outer_step(k))
                 if killer is not None:
                     killer.join()
             return rows, t.evaluate()
@@ -412,24 +412,24 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
     """Replica 1 dies and is replaced by replica 2 in its data slot (continuing that slot's read
     position). A checkpoint taken then restores the same members (ids, slots, join steps) and the
     next outer step is bitwise equal to the run that went on without stopping."""
-    from ray_diloco.checkpoint import latest_checkpoint, load_checkpoint
+    from ray_diloco.components.checkpoint import latest_checkpoint, load_checkpoint
 
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 run__steps=40, diloco__H=5, diloco__cpus_per_worker=0.5)
     t = _trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus)
     try:
-        t._round(1)
+        t.outer_step(1)
         _kill(t.replicas[1].rank0)
-        row = t._round(2)
+        row = t.outer_step(2)
         assert row["replicas_live"] == 1 and row["membership"]["death"] == 1
         deadline = time.monotonic() + 120
         while not t.members.poll():
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        row = t._round(3)  # replica 2 joins at step 10 in slot 1
+        row = t.outer_step(3)  # replica 2 joins at step 10 in slot 1
         assert [(r.index, r.slot, r.join_step) for r in t.replicas] == [(0, 0, 0), (2, 1, 10)]
         t.checkpoint()
-        ahead = t._round(4)
+        ahead = t.outer_step(4)
     finally:
         t.shutdown()
     _, path = latest_checkpoint(t.run_dir)
@@ -438,7 +438,7 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
     t2 = _trainer(load_config(tiny_overrides(tmp_path, run__name="b", **over)), corpus, resume_state=state)
     try:
         assert [(r.index, r.slot, r.join_step) for r in t2.replicas] == [(0, 0, 0), (2, 1, 10)]
-        again = t2._round(4)
+        again = t2.outer_step(4)
     finally:
         t2.shutdown()
     for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss"):
@@ -532,10 +532,10 @@ def test_scale_down_and_up_with_the_cli(ray_session, tmp_path, corpus):
     t = _trainer(cfg, corpus)
     try:
         (t.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        t._round(1)
+        t.outer_step(1)
         leaving = t.replicas[2]
         assert main(["scale", str(t.run_dir), "--replicas", "2"]) == 0
-        row = t._round(2)
+        row = t.outer_step(2)
         assert [r.index for r in t.replicas] == [0, 1] and row["replicas_target"] == 2
         assert [(e["event"], e["replica"]) for e in row["events"] if e["event"] != "scale"] == [("leave", 2)]
         assert "death" not in row["membership"]
@@ -543,12 +543,12 @@ def test_scale_down_and_up_with_the_cli(ray_session, tmp_path, corpus):
         assert sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1"]
         assert main(["scale", str(t.run_dir), "--replicas", "3"]) == 0
         deadline = time.monotonic() + 120
-        row = t._round(3)
+        row = t.outer_step(3)
         while row["replicas_live"] < 3:
             assert time.monotonic() < deadline, "no replica joined"
             t.members.poll()
             time.sleep(0.1)
-            row = t._round(row["outer_step"] + 1)
+            row = t.outer_step(row["outer_step"] + 1)
         assert [r.index for r in t.replicas] == [0, 1, 3] and len(set(row["worker_global_sha256"])) == 1
     finally:
         t.shutdown()
@@ -569,11 +569,11 @@ def test_a_replica_that_loses_one_rank_is_rebuilt_whole_under_streaming(ray_sess
                                      streaming__quantization="fp4_e3m0", streaming__error_feedback=True))
     t = _trainer(cfg, corpus)
     try:
-        t._round(1)
+        t.outer_step(1)
         victim = t.replicas[0]
         rank0_pid = ray.get(victim.rank0.pid.remote())
         _kill(victim.workers[1])
-        row = t._round(2)
+        row = t.outer_step(2)
         assert [r.index for r in t.replicas] == [1] and row["membership"]["death"] == 1
         time.sleep(1)
         assert not os.path.exists(f"/proc/{rank0_pid}") or open(f"/proc/{rank0_pid}/stat").read().split()[2] == "Z"
@@ -582,10 +582,10 @@ def test_a_replica_that_loses_one_rank_is_rebuilt_whole_under_streaming(ray_sess
         while len(t.replicas) < 2:
             assert time.monotonic() < deadline, "no replacement joined"
             t.members.poll()
-            row = t._round(k)
+            row = t.outer_step(k)
             k += 1
         assert [len(r.workers) for r in t.replicas] == [2, 2] and t.replicas[1].index == 2
-        row = t._round(k)
+        row = t.outer_step(k)
         # every worker holds the same global parameters (fragment 0's round sent at this boundary is
         # still in flight, so they may differ from the driver's by that round)
         assert len(row["worker_global_sha256"]) == 4 and len(set(row["worker_global_sha256"])) == 1
@@ -601,12 +601,12 @@ def test_a_frozen_driver_stops_the_run_within_the_sync_timeout(ray_session, tmp_
     t = _trainer(cfg, corpus)
     pid = None
     try:
-        t._round(1)
+        t.outer_step(1)
         pid = ray_session.get(t.outer.ping.remote())
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(ClusterError, match="driver has not answered for 3 s"):
-            t._round(2)
+            t.outer_step(2)
         assert time.monotonic() - t0 < 3.0 + 5.0
     finally:
         if pid is not None:
@@ -623,12 +623,12 @@ def test_every_replica_frozen_is_replaced_and_the_outer_step_runs_again(ray_sess
     t = _trainer(cfg, corpus)
     pids = []
     try:
-        t._round(1)
+        t.outer_step(1)
         old = {r.index for r in t.replicas}
         pids = [ray_session.get(r.rank0.pid.remote()) for r in t.replicas]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        row = t._round(2)
+        row = t.outer_step(2)
         assert row["inner_step"] == 20 and np.isfinite(row["train_loss"])
         assert t.replicas and {r.index for r in t.replicas}.isdisjoint(old)  # replacements, as they are ready
         deaths = [e for e in row["events"] if e["event"] == "death"]

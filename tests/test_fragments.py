@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_diloco.fragments import ParamSpec, flatten, plan_fragments, unflatten_into
+from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments, unflatten_into
 
 
 def _params():

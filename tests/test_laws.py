@@ -1,4 +1,4 @@
-"""Scaling-law fits (ray_diloco.laws) against the published tables of "Scaling Laws for DiLoCo"
+"""Scaling-law fits (ray_diloco.analysis.laws) against the published tables of "Scaling Laws for DiLoCo"
 (algorithms.md section 3), a synthetic sweep with known optima, and the fit/predict CLI."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from ray_diloco.errors import DataError
-from ray_diloco.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, fit_all, fit_form,
+from ray_diloco.analysis.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, fit_all, fit_form,
                              fit_joint, fit_power_law, format_prediction, load_table, optimal_batch, paper_fits,
                              paper_table, predict)
 
@@ -291,7 +291,7 @@ def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
     missed a held-out size by more than LOSO_WARN_FRACTION of that size's measured loss gets a
     warning line naming that size and the miss, at any queried N (relative to the prediction, it
     vanished when the form extrapolated worst); an undefined miss (NaN, null) hides no other."""
-    from ray_diloco.laws import LOSO_WARN_FRACTION
+    from ray_diloco.analysis.laws import LOSO_WARN_FRACTION
 
     fits = paper_fits()
     assert "loss_warning" not in predict(fits, 4e9, 2)
@@ -314,7 +314,7 @@ def test_predict_reads_null_misses_and_refuses_hand_edited_fits_in_one_line(tmp_
     hand-edited one with a value of the wrong type or shape is one error line, exit 2."""
     import signal
 
-    from ray_diloco import cluster
+    from ray_diloco.runtime import cluster
     from ray_diloco.cli import _write_json, main
 
     def run(fits):
@@ -351,7 +351,7 @@ def test_fit_and_predict_of_a_table_use_the_same_number_of_starts():
     import inspect
 
     from ray_diloco.cli import _parser
-    from ray_diloco.laws import DEFAULT_STARTS
+    from ray_diloco.analysis.laws import DEFAULT_STARTS
 
     assert _parser().parse_args(["fit", "t.csv"]).starts is None  # None: DEFAULT_STARTS in _cmd_fit
     assert inspect.signature(fit_all).parameters["starts"].default == DEFAULT_STARTS == 32

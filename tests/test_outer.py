@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ray_diloco.config import OuterConfig
-from ray_diloco.outer import OuterOptimizer, average_pseudo_gradients
+from ray_diloco.core.outer import OuterOptimizer, average_pseudo_gradients
 
 
 def _deltas(seed, n, m):
@@ -76,9 +76,9 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     fp4 the driver starts without global parameters and gets them later, as the trainer does it
     (its process starts while the replicas start); they can be given only once."""
     from ray_diloco.config import load_config
-    from ray_diloco.driver import OuterDriverActor
-    from ray_diloco.exchange import apply_downlink
-    from ray_diloco.quantize import quantize_message
+    from ray_diloco.runtime.driver import OuterDriverActor
+    from ray_diloco.core.wire import apply_downlink
+    from ray_diloco.core.quantize import quantize_message
 
     ray = ray_session
     cfg = load_config({"streaming": {"quantization": fmt}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_diloco.quantize import BLOCK, FORMATS, decode, encode
+from ray_diloco.core.quantize import BLOCK, FORMATS, decode, encode
 
 
 def _block_scale(x: np.ndarray, max_value: float) -> np.ndarray:

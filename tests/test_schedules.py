@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ray_diloco.schedules import inner_lr, is_due, outer_step_bounds
+from ray_diloco.core.schedules import inner_lr, is_due, outer_step_bounds
 
 
 def test_warmup_is_linear_and_reaches_peak():

@@ -1,4 +1,4 @@
-"""The compute-utilisation simulator (ray_diloco.simulate) against the papers' bandwidth tables
+"""The compute-utilisation simulator (ray_diloco.analysis.simulate) against the papers' bandwidth tables
 (algorithms.md sections 2 and 3), its exact arithmetic on small cases, and the CLI."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from ray_diloco.errors import ConfigError
-from ray_diloco.simulate import (BANDWIDTH_GRID_GBPS, PAPER_TABLE4, Method, ModelSpec, Network, compute_utilisation,
+from ray_diloco.analysis.simulate import (BANDWIDTH_GRID_GBPS, PAPER_TABLE4, Method, ModelSpec, Network, compute_utilisation,
                                  paper_rows, required_bandwidth, step_time_s, wall_clock)
 
 
@@ -109,7 +109,7 @@ def test_plan_wall_clock_uses_the_runs_method_and_wire_size():
     replicas of C chips; the method and bits per value are the run's (fp32 pseudo-gradients by
     default, int8 with scales under streaming quantisation); the time is compute / utilisation."""
     from ray_diloco.config import load_config
-    from ray_diloco.plan import sync_plan, wall_clock_plan
+    from ray_diloco.analysis.plan import sync_plan, wall_clock_plan
 
     cfg = load_config(None, ["run.steps=100", "diloco.H=10"])
     p = sync_plan(cfg)

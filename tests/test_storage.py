@@ -17,8 +17,8 @@ from conftest import tiny_overrides
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
-from ray_diloco.storage import download_run, filesystem
-from ray_diloco.trainer import train
+from ray_diloco.components.storage import download_run, filesystem
+from ray_diloco.runtime.trainer import train
 
 
 def _remote_files(uri: str) -> set[str]:
@@ -99,7 +99,7 @@ def test_a_run_is_mirrored_to_s3_and_resumes_from_it_elsewhere(ray_session, tmp_
 def test_file_uri_mirror_prunes_and_downloads_the_newest_checkpoint(tmp_path):
     """pyarrow's local filesystem (file://): checkpoints are uploaded oldest first, ones pruned
     locally are deleted from the storage, and a download fetches only the newest."""
-    from ray_diloco.storage import Mirror
+    from ray_diloco.components.storage import Mirror
 
     run = tmp_path / "local" / "r1"
     for step in (1, 2):
@@ -153,7 +153,7 @@ def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monk
     the (offline) W&B run, with the final loss in its metadata."""
     from wandb_records import records
 
-    from ray_diloco.tracking import Tracker
+    from ray_diloco.components.tracking import Tracker
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = load_config({"tracking": {"wandb": True, "log_model": True, "progress": False}, "run": {"name": "art"}})

@@ -12,13 +12,13 @@ from conftest import run_cli, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.errors import ConfigError
-from ray_diloco.exchange import apply_downlink, dp_equivalent_bytes
-from ray_diloco.fragments import block_index, param_specs, plan_fragments
-from ray_diloco.model import build_transformers_model, resolve_model_shape
-from ray_diloco.outer import OuterOptimizer
-from ray_diloco.quantize import FORMATS, from_message, message_nbytes, quantize_message, to_message
-from ray_diloco.schedules import SyncSchedule, outer_step_bounds
-from ray_diloco.trainer import Trainer, _new_run_dir
+from ray_diloco.core.wire import apply_downlink, dp_equivalent_bytes
+from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
+from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
+from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.quantize import FORMATS, from_message, message_nbytes, quantize_message, to_message
+from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
+from ray_diloco.runtime.trainer import Trainer, _new_run_dir
 
 # ---------------------------------------------------------------------------------------
 # fragments
@@ -244,7 +244,7 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
         try:
             assert t.num_fragments == 2
             for k in range(1, 4):
-                t._round(k)
+                t.outer_step(k)
             traces = ray.get([r.rank0.sync_trace.remote() for r in t.replicas])
             assert traces[0] and len(traces[0]) == len(traces[1])
             assert [(r["send_step"], r["fragment"]) for r in traces[0]] == t.schedule.sends_between(0, 18)
@@ -277,10 +277,10 @@ def _core_diloco_reference(cfg_dict, train_tokens, vocab_size, rounds):
     Returns sha256 of the global parameters after each outer step."""
     import hashlib
 
-    from ray_diloco.data import ShardReader
-    from ray_diloco.model import lm_loss, logits_of
-    from ray_diloco.replica import build_model, make_inner_optimizer
-    from ray_diloco.schedules import inner_lr
+    from ray_diloco.components.data import ShardReader
+    from ray_diloco.models.transformer import lm_loss, logits_of
+    from ray_diloco.models.transformer import build_model, make_inner_optimizer
+    from ray_diloco.core.schedules import inner_lr
 
     torch.set_num_threads(1)
     cfg = load_config(cfg_dict, validate=False)
@@ -329,7 +329,7 @@ def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_sess
     ref = ray.remote(num_cpus=1)(_core_diloco_reference).remote(cfg.to_dict(), corpus.train, corpus.vocab_size, 3)
     t = _trainer(cfg, corpus, None)  # the transformers preset, as the reference builds it
     try:
-        ours = [t._round(k)["global_sha256"] for k in (1, 2, 3)]
+        ours = [t.outer_step(k)["global_sha256"] for k in (1, 2, 3)]
     finally:
         t.shutdown()
     assert ours == ray.get(ref)
@@ -347,7 +347,7 @@ def test_fp4_streaming_keeps_every_replica_bitwise_on_the_driver(ray_session, tm
     try:
         sizes = [message_nbytes(f.numel, "fp4_e3m0") for f in t.fragments]
         for k in (1, 2, 3):
-            row = t._round(k)
+            row = t.outer_step(k)
             assert set(row["worker_global_sha256"]) == {row["global_sha256"]}
             start, end = outer_step_bounds(k, 4, 12)
             expected = sum(sizes[f] for _, f in t.schedule.sends_between(start, end))
@@ -362,7 +362,7 @@ def test_fp4_streaming_keeps_every_replica_bitwise_on_the_driver(ray_session, tm
 def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
     """tau=1 (a sync in flight at every checkpoint), fp4 + error feedback: resuming from the
     checkpoint after outer step 2 gives the same outer step 3 as the uninterrupted run."""
-    from ray_diloco.checkpoint import list_checkpoints, load_checkpoint
+    from ray_diloco.components.checkpoint import list_checkpoints, load_checkpoint
 
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 diloco__H=8, run__steps=24, streaming__fragments=2, streaming__overlap_steps=1,
@@ -372,7 +372,7 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
     try:
         rows = []
         for k in (1, 2, 3):
-            rows.append(t._round(k))
+            rows.append(t.outer_step(k))
             t.checkpoint()
     finally:
         t.shutdown()
@@ -382,7 +382,7 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
     cfg_b = load_config(tiny_overrides(tmp_path, run__name="b", **over))
     t2 = _trainer(cfg_b, corpus, resume_state=state)
     try:
-        again = t2._round(3)
+        again = t2.outer_step(3)
     finally:
         t2.shutdown()
     for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss",
@@ -401,7 +401,7 @@ def test_overlap_hides_the_emulated_link(ray_session, tmp_path, corpus):
             data__seq_len=64, inner__global_batch=16, streaming__overlap_steps=tau, network__latency_ms=30.0))
         t = _trainer(cfg, corpus)
         try:
-            rows = [t._round(k) for k in (1, 2, 3)]
+            rows = [t.outer_step(k) for k in (1, 2, 3)]
         finally:
             t.shutdown()
         waits[tau] = sum(r["sync_wait_s"] for r in rows)  # syncs at 10, 20, 30 (not the closing one at 40)
@@ -416,7 +416,7 @@ def test_dp_under_emulation_counts_ring_allreduce_bytes(ray_session, tmp_path, c
                                      run__steps=5, network__bandwidth_gbps=10.0))
     t = _trainer(cfg, corpus)
     try:
-        row = t._round(1)
+        row = t.outer_step(1)
     finally:
         t.shutdown()
     assert row["bytes_sent"] == row["bytes_received"] == 2 * dp_equivalent_bytes(t.num_params, 5, 2, 4)
@@ -450,8 +450,8 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     """Rounds are keyed by send step, so the closing round at T does not collide with the
     extended schedule: resuming the final checkpoint with more steps trains on."""
     import ray_diloco
-    from ray_diloco.checkpoint import latest_checkpoint
-    from ray_diloco.trainer import prepare
+    from ray_diloco.components.checkpoint import latest_checkpoint
+    from ray_diloco.runtime.trainer import prepare
 
     over = tiny_overrides(tmp_path, run__name="ext", run__steps=16, diloco__H=8, run__eval_every=0,
                           run__checkpoint_every=0, streaming__fragments=2, streaming__overlap_steps=1,
@@ -482,10 +482,10 @@ def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp
     """Outer step k covers inner steps [(k-1)H, kH): a checkpoint at T = 14 with H = 8 cannot be
     continued to 30 without skipping or re-keying steps 14-15, so --resume refuses it with one
     line and leaves the run as it was; resuming it unchanged is still allowed."""
-    from ray_diloco.checkpoint import save_checkpoint
+    from ray_diloco.components.checkpoint import save_checkpoint
     from ray_diloco.config import load_config
     from ray_diloco.errors import ConfigError
-    from ray_diloco.trainer import prepare
+    from ray_diloco.runtime.trainer import prepare
 
     cfg = load_config(tiny_overrides(tmp_path, run__name="odd", run__steps=14, diloco__H=8))
     run_dir = tmp_path / "runs" / "odd"

@@ -19,7 +19,7 @@ from conftest import ROOT, run_cli
 from wandb_records import run_contents
 
 from ray_diloco.errors import ConfigError
-from ray_diloco.sweep import load_space
+from ray_diloco.tune.sweep import load_space
 
 # shrinks the shipped CPU space to a model that trains in seconds (the sweep machinery is unchanged)
 SMALL = ["model.n_layers=2", "model.n_heads=2", "model.d_model=32", "model.d_ff=64", "model.context=16",
@@ -68,7 +68,7 @@ def test_bad_search_space_gives_one_line_naming_the_key(tmp_path, text, expected
 def test_bad_name_space_path_and_saved_sweep_are_one_line(tmp_path):
     """--name must be a plain directory name; --space a file; a sweep.yaml that is corrupt or
     holds invalid options is refused on --resume with the field named."""
-    from ray_diloco.space import load_spec
+    from ray_diloco.tune.space import load_spec
 
     ok = _space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n")
     for name in ("../up", "a/b", ".", ""):
@@ -95,8 +95,8 @@ def test_bad_name_space_path_and_saved_sweep_are_one_line(tmp_path):
 def test_a_moved_sweep_resumes_where_it_is_now(tmp_path):
     """--resume DIR locates the sweep by DIR, not by the storage path saved when it started
     (a copied or moved sweep directory does not write back into the old place)."""
-    from ray_diloco.space import load_spec
-    from ray_diloco.storage import join_uri, split_uri
+    from ray_diloco.tune.space import load_spec
+    from ray_diloco.components.storage import join_uri, split_uri
 
     spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n"), name="first",
                       storage_path=str(tmp_path / "old"))
@@ -114,7 +114,7 @@ def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_sta
     """A sweep directory another process holds is refused with one line (two resumes of one
     sweep at once destroyed a trial's run directory). A sweep that stopped before Tune saved its
     state (only sweep.yaml) resumes by starting over; a failing trial is one line, no traceback."""
-    from ray_diloco.checkpoint import lock_dir
+    from ray_diloco.components.checkpoint import lock_dir
 
     spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [-1.0]}}\nresources: {cpus_per_worker: 0.4}\n"),
                       [f"data.path={small_text}", *SMALL], name="sw", storage_path=str(tmp_path / "sweeps"))
@@ -272,7 +272,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
 def test_last_metrics_of_an_interrupted_trial_come_from_its_run(tmp_path):
     """A trial stopped by an interruption before Tune kept its result: its row is filled from its
     run's metrics.jsonl (last outer step, best eval loss so far), a line cut short is skipped."""
-    from ray_diloco.sweep import _last_metrics
+    from ray_diloco.tune.sweep import _last_metrics
 
     rows = [{"outer_step": 1, "inner_step": 5, "eval_loss": 3.5, "train_loss": 3.6, "tokens": 320,
              "bytes_sent_total": 10, "bytes_received_total": 12},
@@ -294,7 +294,7 @@ def test_a_stopped_trials_teardown_sigterm_prints_no_traceback():
     SIGTERM delivered while a finaliser runs."""
     code = """
 import os, signal, sys, time
-from ray_diloco.trial import quiet_teardown
+from ray_diloco.tune.trial import quiet_teardown
 
 def sigterm(signum, frame):  # what Ray's worker main loop installs
     raise SystemExit(1)

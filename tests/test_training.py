@@ -14,13 +14,14 @@ import torch
 from conftest import tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
-from ray_diloco.data import ShardReader, val_windows
-from ray_diloco.fragments import flatten, param_specs, plan_fragments
-from ray_diloco.model import lm_loss, logits_of
-from ray_diloco.quantize import message_nbytes
-from ray_diloco.replica import build_model, evaluate_loss, make_inner_optimizer
-from ray_diloco.schedules import inner_lr
-from ray_diloco.trainer import Trainer, _new_run_dir, train
+from ray_diloco.components.data import ShardReader, val_windows
+from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
+from ray_diloco.models.transformer import lm_loss, logits_of
+from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.components.evaluate import evaluate_loss
+from ray_diloco.models.transformer import build_model, make_inner_optimizer
+from ray_diloco.core.schedules import inner_lr
+from ray_diloco.runtime.trainer import Trainer, _new_run_dir, train
 
 
 def _trainer(cfg, tmp_path, corpus, model_fn=None):
@@ -44,7 +45,7 @@ def test_m1_lr1_mu0_is_plain_adamw(ray_session, tmp_path, corpus):
         import ray
 
         for k in (1, 2, 3):
-            t._round(k)
+            t.outer_step(k)
             for step in range((k - 1) * 4, k * 4):
                 for g in opt.param_groups:
                     g["lr"] = inner_lr(step, cfg.inner.lr, cfg.inner.warmup_steps, cfg.run.steps, cfg.inner.min_lr_ratio)
@@ -76,7 +77,7 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
         assert len(set(start)) == 1
         prev = None
         for k in (1, 2, 3):
-            row = t._round(k)
+            row = t.outer_step(k)
             hashes = set(row["worker_global_sha256"]) | set(ray.get([w.global_hash.remote() for w in workers]))
             assert hashes == {row["global_sha256"]}, (k, hashes)
             assert row["global_sha256"] != prev  # the outer step moved the global parameters
@@ -116,7 +117,7 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
     t = _trainer(cfg, tmp_path, corpus, odd_model_fn)
     try:
         (g0,) = ray.get(t.outer.global_params.remote())
-        row = t._round(1)
+        row = t.outer_step(1)
         (g1,) = ray.get(t.outer.global_params.remote())
         model = odd_model_fn(None, corpus.vocab_size)
         off = 0
@@ -139,7 +140,7 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     transformers and gives the checkpoint's loss."""
     from transformers import AutoModelForCausalLM
 
-    from ray_diloco.evaluate import evaluate_run
+    from ray_diloco.components.evaluate import evaluate_run
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2,
                                      run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text)))
@@ -171,7 +172,7 @@ def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2, run__steps=10))
     t = _trainer(cfg, tmp_path, corpus, torch_lm)
     try:
-        t._round(1)
+        t.outer_step(1)
         w = t.replicas[0].workers
         h = ray.get([x.params_hash.remote() for x in w])
         assert h[0] == h[1]
@@ -196,7 +197,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
     cfg = load_config(tiny_overrides(tmp_path, run__precision="bf16", run__steps=10, model__family="qwen3"))
     t = _trainer(cfg, tmp_path, corpus)
     try:
-        rows = [t._round(k) for k in (1, 2)]
+        rows = [t.outer_step(k) for k in (1, 2)]
         assert all(np.isfinite(r["train_loss"]) for r in rows) and rows[1]["train_loss"] < rows[0]["train_loss"]
         (glob,) = ray.get(t.outer.global_params.remote())
         assert glob.dtype == np.float32 and np.isfinite(glob).all()
@@ -207,7 +208,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
 
 def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp_path, corpus):
     from ray_diloco.errors import CheckpointError, DataError
-    from ray_diloco.evaluate import evaluate_run, generate
+    from ray_diloco.components.evaluate import evaluate_run, generate
 
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="odd"))
     summary = train(cfg, model_fn=odd_model_fn, corpus=corpus)
@@ -224,8 +225,8 @@ def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp
 
 def test_resume_refuses_structural_changes(tmp_path):
     from ray_diloco.errors import CheckpointError, ConfigError
-    from ray_diloco.export import model_with_params
-    from ray_diloco.trainer import _check_resumable
+    from ray_diloco.components.export import model_with_params
+    from ray_diloco.runtime.trainer import _check_resumable
 
     saved = load_config(tiny_overrides(tmp_path))
     _check_resumable(load_config(tiny_overrides(tmp_path, run__steps=99, outer__lr=0.5)), saved)  # allowed
@@ -239,7 +240,7 @@ def test_resume_refuses_structural_changes(tmp_path):
     _check_resumable(load_config(tiny_overrides(tmp_path, streaming__quantization="int8")), saved)  # allowed
     with pytest.raises(CheckpointError, match="parameters"):
         model_with_params(saved, [np.zeros(10, np.float32)], 50)
-    from ray_diloco.trainer import prepare
+    from ray_diloco.runtime.trainer import prepare
 
     with pytest.raises(ConfigError, match="--resume"):
         prepare("dp", resume=tmp_path)
@@ -249,7 +250,7 @@ def _fake_run(tmp_path, name: str, cfg_dict: dict, inner_step: int, params: list
     """A run directory with config.yaml and one checkpoint (no Ray): what --resume and eval read."""
     import yaml
 
-    from ray_diloco.checkpoint import save_checkpoint
+    from ray_diloco.components.checkpoint import save_checkpoint
 
     run_dir = tmp_path / "runs" / name
     run_dir.mkdir(parents=True)
@@ -271,9 +272,9 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
     compares resolved shapes, so restating the trained family is allowed and another is refused
     with one line, the run directory untouched. Fewer steps than already trained are refused."""
     from ray_diloco.errors import ConfigError
-    from ray_diloco.evaluate import model_from_checkpoint
-    from ray_diloco.model import build_transformers_model, pin_model_fields, resolve_model_shape
-    from ray_diloco.trainer import prepare
+    from ray_diloco.components.evaluate import model_from_checkpoint
+    from ray_diloco.models.transformer import build_transformers_model, pin_model_fields, resolve_model_shape
+    from ray_diloco.runtime.trainer import prepare
 
     new = pin_model_fields(load_config({}).model)
     assert (new.family, new.n_layers, new.n_heads, new.d_model, new.d_ff, new.context) == ("gpt2", 4, 4, 128, 512, 64)
@@ -332,7 +333,7 @@ def test_export_replaces_what_is_at_final_and_leaves_no_temporary(tmp_path):
     """The export swaps the new model in (``final.tmp`` renamed, the old one moved to
     ``final.old`` and then deleted): a previous export, or a file in the way (found by a break-it
     pass: it failed the run after training), is replaced, and nothing temporary is left."""
-    from ray_diloco.export import export_model
+    from ray_diloco.components.export import export_model
 
     cfg = load_config(tiny_overrides(tmp_path))
     model = odd_model_fn(None, 11)

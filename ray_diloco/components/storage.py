@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, ConfigError
+from ray_diloco.errors import CheckpointError, ConfigError
 
 #: Files and folders mirrored after every checkpoint (besides the checkpoints themselves).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "wandb_id.txt", "tokenizer")
@@ -117,7 +117,7 @@ class Mirror:
     def sync(self, final: bool = False) -> bool:
         """Upload new checkpoints and the run files (and, when ``final``, the summary and the
         exported model); delete checkpoints no longer kept locally. Returns True on success."""
-        from .checkpoint import STATE_FILE, list_checkpoints
+        from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints
 
         try:
             local = {p.name: p for _, p in list_checkpoints(self.run_dir)}
@@ -148,7 +148,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
     """
     import pyarrow.fs as pafs
 
-    from .checkpoint import STATE_FILE, list_checkpoints
+    from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints
 
     fs, path = filesystem(uri)
     name = posixpath.basename(path.rstrip("/"))

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import OuterConfig
-from .exchange import apply_downlink
-from .quantize import encode, quantize_with_feedback, to_message
+from ray_diloco.config import OuterConfig
+from ray_diloco.core.wire import apply_downlink
+from ray_diloco.core.quantize import encode, quantize_with_feedback, to_message
 
 
 def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:

@@ -27,57 +27,15 @@ import numpy as np
 import ray
 import torch
 
-from .config import Config, load_config
-from .data import ShardReader, val_batch
-from .exchange import FAILED, OK, REJECTED, Link, SyncResult, link_delay_s
-from .fragments import Fragment, ParamSpec, flatten, param_specs, plan_fragments, unflatten_into
-from .model import ModelFn, build_transformers_model, lm_loss, logits_of, resolve_model_shape
-from .schedules import SyncSchedule, inner_lr
-
-
-def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None) -> torch.nn.Module:
-    """The model with the run seed's initialisation, identical in every process (fp32)."""
-    torch.manual_seed(cfg.run.seed)
-    shape = resolve_model_shape(cfg.model, vocab_size)
-    return (model_fn or build_transformers_model)(shape, shape["vocab_size"])
-
-
-def make_inner_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    i = cfg.inner
-    groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps)
-
-
-def tensor_hash(tensors: list[torch.Tensor]) -> str:
-    """sha256 of the tensors' fp32 bytes, in order (parameter identity across processes)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-@torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, windows: np.ndarray,
-                  batch: int, autocast=nullcontext) -> tuple[float, int]:
-    """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
-    ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for s in range(0, len(windows), batch):
-        x, y = val_batch(tokens, seq_len, windows[s : s + batch])
-        x, y = x.to(device), y.to(device)
-        with autocast():
-            logits = logits_of(model(x))
-        _, ce = lm_loss(logits, y, 0.0)
-        total += float(ce) * y.numel()
-        count += y.numel()
-    model.train(was_training)
-    return total, count
+from ray_diloco.config import Config, load_config
+from ray_diloco.components.data import ShardReader
+from ray_diloco.components.evaluate import evaluate_loss
+from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
+                                       tensor_hash, unflatten_into)
+from ray_diloco.core.schedules import SyncSchedule, inner_lr
+from ray_diloco.core.wire import FAILED, OK, REJECTED, SyncResult, link_delay_s
+from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
+from ray_diloco.runtime.link import Link
 
 
 @dataclasses.dataclass
@@ -117,17 +75,6 @@ class CommCounters:
         self.bytes_down += down
         self.events += 1
         self.peak_event_bytes = max(self.peak_event_bytes, up + down)
-
-
-def fragment_plan(cfg: Config, specs: list[ParamSpec]) -> list[Fragment]:
-    """The run's fragments: every parameter in one for DiLoCo/DP, else by transformer block.
-
-    Raises:
-        ValueError: the model has fewer numbered blocks than ``streaming.fragments``.
-    """
-    if cfg.algorithm != "diloco":
-        return plan_fragments(specs, 1)
-    return plan_fragments(specs, cfg.block_fragments, cfg.streaming.pattern)
 
 
 def _dp_emulation_hook(worker: "ReplicaWorker"):
@@ -262,7 +209,7 @@ class ReplicaWorker:
     # -- outer-step exchange ---------------------------------------------------------------
     def attach(self, driver: Any, schedule: SyncSchedule) -> None:
         """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
-        ``schedule`` through a background :class:`~ray_diloco.exchange.Link`."""
+        ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n = self.cfg.streaming, self.cfg.network
         self.schedule = schedule
         self.link = Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,

@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from ray_diloco.errors import ConfigError
 
-PRESET_DIR = Path(__file__).parent / "configs"
+PRESET_DIR = Path(__file__).parents[1] / "configs"
 
 
 
@@ -217,11 +217,17 @@ class Config:
         """P, the number of fragments of transformer blocks (``layers_per_fragment`` wins when set)."""
         s = self.streaming
         if s.layers_per_fragment is not None and s.layers_per_fragment >= 1:
-            from .model import PRESETS, resolve_model_shape
+            from ray_diloco.models.transformer import PRESETS, resolve_model_shape
 
             if self.model.preset in PRESETS:
                 return -(-resolve_model_shape(self.model, 1)["n_layers"] // s.layers_per_fragment)
         return s.fragments
+
+    @property
+    def sync_block_fragments(self) -> int:
+        """P as exchanged: :attr:`block_fragments` for DiLoCo, 1 for the DP baseline (nothing is
+        exchanged; its parameters form one fragment for checkpoints and export)."""
+        return self.block_fragments if self.algorithm == "diloco" else 1
 
     @property
     def num_outer_steps(self) -> int:
@@ -425,7 +431,7 @@ def validate_config(cfg: Config) -> None:
 
     Cluster-dependent checks (CPUs available) happen in the trainer before any actor starts.
     """
-    from .model import PRESETS, resolve_model_shape  # local import: model imports torch
+    from ray_diloco.models.transformer import PRESETS, resolve_model_shape  # local import: model imports torch
 
     e: list[str] = []
 
@@ -513,7 +519,7 @@ def validate_config(cfg: Config) -> None:
             e.append(f"data.seq_len = {dc.seq_len}: must be <= model.context = {shape['context']}")
 
     st = cfg.streaming
-    from .quantize import FORMATS
+    from ray_diloco.core.quantize import FORMATS
 
     need(st.fragments >= 1, "streaming.fragments", st.fragments, "must be an integer >= 1 (1: plain DiLoCo)")
     need(st.layers_per_fragment is None or st.layers_per_fragment >= 1, "streaming.layers_per_fragment",

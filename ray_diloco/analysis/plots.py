@@ -22,14 +22,14 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Write ``fig`` as a PNG at ``path`` atomically (via :func:`~ray_diloco.storage.write_bytes`).
+    """Write ``fig`` as a PNG at ``path`` atomically (via :func:`~ray_diloco.components.storage.write_bytes`).
 
     Raises:
         OSError: the path cannot be written (naming ``path``).
     """
     import io
 
-    from .storage import write_bytes
+    from ray_diloco.components.storage import write_bytes
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
@@ -43,7 +43,7 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ``residuals.png`` (leave-one-size-out residual per form and held-out size) and
     ``optimal_hparams.png`` (optimal inner lr and global batch vs N with their laws) in
     ``out_dir``. Returns the paths written."""
-    from .laws import FORMS, PowerLaw, algorithm_name
+    from ray_diloco.analysis.laws import FORMS, PowerLaw, algorithm_name
 
     plt = _pyplot()
     out = Path(out_dir)
@@ -114,7 +114,7 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
 def plot_utilisation(model: Any, methods: list[Any], path: str | Path, latency_s: float = 0.0,
                      replicas: int = 2) -> Path:
     """Compute utilisation vs bandwidth (log axis, 0.1-1000 Gbit/s) for each method."""
-    from .simulate import BANDWIDTH_GRID_GBPS, METHOD_NAMES, Network, compute_utilisation
+    from ray_diloco.analysis.simulate import BANDWIDTH_GRID_GBPS, METHOD_NAMES, Network, compute_utilisation
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))

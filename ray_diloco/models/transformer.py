@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import MAX_STEPS, ModelConfig
-from .errors import ConfigError
+from ray_diloco.config import MAX_STEPS, Config, ModelConfig
+from ray_diloco.errors import ConfigError
 
 # name: (family, layers, heads, d_model, d_ff, context, z_loss)
 PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
@@ -155,3 +155,19 @@ def budget_steps(cfg: Any, vocab_size: int, model_fn: ModelFn | None = None) -> 
         raise ConfigError([f"run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g}: gives {steps:,} inner steps "
                            f"for {n:,} parameters, more than the {MAX_STEPS:,} a run may have"])
     return steps
+
+
+def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None) -> torch.nn.Module:
+    """The model with the run seed's initialisation, identical in every process (fp32)."""
+    torch.manual_seed(cfg.run.seed)
+    shape = resolve_model_shape(cfg.model, vocab_size)
+    return (model_fn or build_transformers_model)(shape, shape["vocab_size"])
+
+
+def make_inner_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    i = cfg.inner
+    groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps)

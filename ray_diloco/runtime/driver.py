@@ -1,7 +1,7 @@
 """The outer-optimiser driver: sync rounds, the quorum, timeouts and replica membership.
 
 The driver is an async Ray actor that holds the global parameters and the outer optimiser
-(:class:`~ray_diloco.outer.OuterOptimizer`). Each replica's rank 0 submits its quantised
+(:class:`~ray_diloco.core.outer.OuterOptimizer`). Each replica's rank 0 submits its quantised
 pseudo-gradient of a fragment with :meth:`OuterDriver.exchange`; the other ranks of the
 replica wait for the same answer with :meth:`OuterDriver.result`. A round is keyed
 ``(fragment, send step)`` from the pure schedule, so every process agrees on it after any
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import ray
 
-from .exchange import DROPPED, FAILED, OK, REJECTED, Reply
-from .outer import OuterOptimizer
-from .quantize import decode, encode, from_message, to_message
+from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply
+from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.quantize import decode, encode, from_message, to_message
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 4
@@ -82,7 +82,7 @@ class OuterDriver:
     """
 
     def __init__(self, initial: list[np.ndarray] | None, cfg: dict[str, Any], members: dict[int, int] | None = None):
-        from .config import load_config
+        from ray_diloco.config import load_config
 
         self.cfg = load_config(cfg, validate=False)
         c = self.cfg

@@ -1,7 +1,7 @@
 """Ray plumbing: joining or starting a cluster, checking it can host the run, and starting or
 stopping the replicas (placement groups + worker actors + their process groups).
 
-A replica is ``workers_per_replica`` :class:`~ray_diloco.replica.ReplicaWorker` actors in one
+A replica is ``workers_per_replica`` :class:`~ray_diloco.runtime.replica.ReplicaWorker` actors in one
 STRICT_PACK placement group (same node: DDP traffic stays local); the DP baseline puts all
 ``M x W`` workers in one PACK group that forms a single DDP group.
 """
@@ -16,11 +16,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import Config
-from .errors import ClusterError
+from ray_diloco.config import Config
+from ray_diloco.errors import ClusterError
 
 if TYPE_CHECKING:  # torch: the CLI imports this module for every command, fit and simulate included
-    from .model import ModelFn
+    from ray_diloco.models.transformer import ModelFn
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Replica:
 
 
 
-#: Set inside a Ray Tune trial (:mod:`ray_diloco.trial`): the trial's placement group, whose
+#: Set inside a Ray Tune trial (:mod:`ray_diloco.tune.trial`): the trial's placement group, whose
 #: bundle 0 hosts the trial itself and bundles ``1 + slot * W + rank`` the replicas' workers.
 #: Replicas are then placed in those reserved bundles instead of groups of their own, so
 #: concurrent trials never wait on each other's resources.
@@ -198,7 +198,7 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from .replica import ReplicaWorker
+    from ray_diloco.runtime.replica import ReplicaWorker
 
     d = cfg.diloco
     Worker = ray.remote(ReplicaWorker)

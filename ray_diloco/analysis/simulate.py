@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ray_diloco.errors import ConfigError
 
 BANDWIDTH_GRID_GBPS = np.geomspace(0.1, 1000.0, 50)
 METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")

@@ -1,4 +1,4 @@
-"""Search spaces for Ray Tune sweeps: the YAML format (see :mod:`ray_diloco.sweep` and README),
+"""Search spaces for Ray Tune sweeps: the YAML format (see :mod:`ray_diloco.tune.sweep` and README),
 its checks, and each trial's config and placement-group bundles.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from .config import Config, load_config, resolve_config_path
-from .errors import ConfigError
-from .storage import join_uri, read_text
+from ray_diloco.config import Config, load_config, resolve_config_path
+from ray_diloco.errors import ConfigError
+from ray_diloco.components.storage import join_uri, read_text
 
 SPACE_KEYS = ("description", "config", "set", "params", "metric", "mode", "num_samples", "scheduler", "asha",
               "search", "resources", "max_concurrent_trials")
@@ -55,7 +55,7 @@ class SweepSpec:
     def local_dir(self) -> Path:
         """The local directory of the sweep: ``sweep_dir`` itself, or with a URI storage path
         ``staging_dir`` (the trials' run directories live under ``trials/`` and are mirrored)."""
-        from .storage import is_uri
+        from ray_diloco.components.storage import is_uri
 
         return Path(self.staging_dir) if is_uri(self.storage_path) else Path(self.sweep_dir)
 
@@ -258,7 +258,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     if problems:
         raise ConfigError(sorted(set(problems), key=problems.index))
     spec.name = name or f"{p.stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    from .storage import is_uri
+    from ray_diloco.components.storage import is_uri
 
     root = storage_path or str(Path(load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()],
                                                 validate=False).run.output_dir) / "sweeps")
@@ -330,7 +330,7 @@ def load_spec(sweep_dir: str) -> SweepSpec:
     Raises:
         ConfigError: ``sweep_dir`` holds no ``sweep.yaml``, or one that is not valid.
     """
-    from .storage import is_uri, split_uri
+    from ray_diloco.components.storage import is_uri, split_uri
 
     where = f"--resume {sweep_dir}"
     try:

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from .config import Config
-from .errors import ConfigError
-from .exchange import DP_FORMULA, dp_equivalent_bytes
-from .fragments import block_index, param_specs
-from .model import build_transformers_model, resolve_model_shape
-from .quantize import message_nbytes
-from .replica import fragment_plan
-from .schedules import SyncSchedule
+from ray_diloco.config import Config
+from ray_diloco.errors import ConfigError
+from ray_diloco.core.wire import DP_FORMULA, dp_equivalent_bytes
+from ray_diloco.core.fragments import block_index, param_specs
+from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
+from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.core.fragments import fragment_plan
+from ray_diloco.core.schedules import SyncSchedule
 
 
 def plan_vocab_size(cfg: Config) -> int:
@@ -35,10 +35,10 @@ def plan_vocab_size(cfg: Config) -> int:
     if cfg.data.tokenizer == "bpe":
         return cfg.data.bpe_vocab_size
     if cfg.data.tokenizer != "char":
-        from .data import build_tokenizer
+        from ray_diloco.components.data import build_tokenizer
 
         return len(build_tokenizer(cfg.data, []))
-    from .data import load_corpus
+    from ray_diloco.components.data import load_corpus
 
     return load_corpus(cfg.data).vocab_size
 
@@ -134,14 +134,14 @@ def format_plan(p: dict[str, Any]) -> str:
 def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, mfu: float,
                     bandwidth_gbps: float | None = None, latency_ms: float | None = None) -> dict[str, Any]:
     """The run's predicted wall-clock from the compute-utilisation simulator
-    (:mod:`ray_diloco.simulate`): step time from 6 x N x (global batch x seq len) FLOPs split
+    (:mod:`ray_diloco.analysis.simulate`): step time from 6 x N x (global batch x seq len) FLOPs split
     over M replicas of ``chips`` chips at ``tflops`` x ``mfu``; the run's own method (DP, DiLoCo H, or
     its fragments, tau and wire format). With a bandwidth (the argument, else
     ``network.bandwidth_gbps``) it returns the time; without, the bandwidth per target.
 
     Returns a dict with ``step_s``, ``method``, ``bits_per_value`` and either ``bandwidth_gbps``,
     ``utilisation``, ``compute_s``, ``total_s`` or ``required_gbps`` (target -> Gbit/s)."""
-    from .simulate import TARGETS, Method, ModelSpec, Network, required_bandwidth, step_time_s, wall_clock
+    from ray_diloco.analysis.simulate import TARGETS, Method, ModelSpec, Network, required_bandwidth, step_time_s, wall_clock
 
     tokens = cfg.inner.global_batch * cfg.data.seq_len
     step = step_time_s(p["params"], tokens, chips * cfg.diloco.replicas, tflops, mfu)  # the batch is split over M

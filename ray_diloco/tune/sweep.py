@@ -50,11 +50,11 @@ from typing import Any
 
 import yaml
 
-from .config import load_config
-from .errors import ConfigError
-from .space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
-from .storage import is_uri, join_uri, read_text, write_bytes, write_text
-from .trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
+from ray_diloco.config import load_config
+from ray_diloco.errors import ConfigError
+from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
+from ray_diloco.components.storage import is_uri, join_uri, read_text, write_bytes, write_text
+from ray_diloco.tune.trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
 
@@ -64,7 +64,7 @@ def _max_outer_steps(spec: SweepSpec) -> int:
     vocabulary of 2^18 tokens, an upper bound: the scheduler must not cut a trial short)."""
     import itertools
 
-    from .model import budget_steps
+    from ray_diloco.models.transformer import budget_steps
 
     base = spec.examples()[0]
     keys = [k for k in spec.params if k.startswith(("model.", "run.", "diloco.H", "inner.global_batch", "data.seq_len"))]
@@ -114,7 +114,7 @@ def _concurrency(spec: SweepSpec) -> int:
     if need_gpu:
         n = min(n, int(res.get("GPU", 0) // need_gpu))
     if n < 1:
-        from .errors import ClusterError
+        from ray_diloco.errors import ClusterError
 
         raise ClusterError(f"a trial needs {need_cpu:g} CPUs and {need_gpu:g} GPUs (its driver bundle + one bundle per "
                            f"replica worker) but the Ray cluster has {res.get('CPU', 0):g} CPUs and "
@@ -200,7 +200,7 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
     import ray
     from ray import tune as rt
 
-    from .cluster import init_ray
+    from ray_diloco.runtime.cluster import init_ray
 
     if not resume and read_text(join_uri(spec.sweep_dir, SPEC_FILE)) is not None:
         raise ConfigError([f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
@@ -243,14 +243,14 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
 
 
 def _lock(spec: SweepSpec) -> Any:
-    """The sweep's lock (:func:`~ray_diloco.checkpoint.lock_dir` on its local directory; with a
+    """The sweep's lock (:func:`~ray_diloco.components.checkpoint.lock_dir` on its local directory; with a
     URI storage path, on this machine's staging directory).
 
     Raises:
         CheckpointError: another ``ray-diloco tune`` runs or resumes this sweep.
         ConfigError: the local directory cannot be created.
     """
-    from .checkpoint import lock_dir
+    from ray_diloco.components.checkpoint import lock_dir
 
     d = spec.local_dir
     try:
@@ -262,7 +262,7 @@ def _lock(spec: SweepSpec) -> Any:
 
 class _OneLineTrialErrors:
     """A logging filter for Tune's controller: a trial that failed with our one-line reason
-    (:class:`~ray_diloco.trial.TrialError`) is logged as that line, not as Ray's traceback of the
+    (:class:`~ray_diloco.tune.trial.TrialError`) is logged as that line, not as Ray's traceback of the
     actor that raised it (the results table and the summary name it again)."""
 
     def filter(self, record: Any) -> bool:
@@ -381,7 +381,7 @@ def _num_parameters(run_dir: str | None) -> int | None:
     """Parameter count from the run's exported or checkpointed model when there is no summary."""
     if not run_dir:
         return None
-    from .checkpoint import global_params, latest_checkpoint, load_checkpoint
+    from ray_diloco.components.checkpoint import global_params, latest_checkpoint, load_checkpoint
 
     try:
         _, path = latest_checkpoint(Path(run_dir))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from ray_diloco.errors import CheckpointError
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
@@ -183,9 +183,9 @@ def global_params(state: dict[str, Any]) -> list[np.ndarray]:
 def checkpoint_config(state: dict[str, Any]) -> Any:
     """The :class:`~ray_diloco.config.Config` a checkpoint was trained with, its model shape
     pinned: a checkpoint written before runs recorded the shape gets the presets of that time
-    (:func:`ray_diloco.model.pin_model_fields`)."""
-    from .config import load_config
-    from .model import pin_model_fields
+    (:func:`ray_diloco.models.transformer.pin_model_fields`)."""
+    from ray_diloco.config import load_config
+    from ray_diloco.models.transformer import pin_model_fields
 
     cfg = load_config(state["config"], validate=False)
     pin_model_fields(cfg.model, recorded_before_pinning=True)

@@ -9,8 +9,10 @@ outer-optimiser actor agree on it after any restart.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -126,3 +128,21 @@ def unflatten_into(params: dict[str, torch.Tensor], fragment: Fragment, flat: to
             t = params[p.name]
             t.copy_(flat[off : off + p.numel].view(p.shape).to(t.device, t.dtype))
             off += p.numel
+
+
+def fragment_plan(cfg: Any, specs: list[ParamSpec]) -> list[Fragment]:
+    """The run's fragments (``cfg``: a ``Config``): every parameter in one for plain DiLoCo and the
+    DP baseline (``cfg.sync_block_fragments`` = 1), else by transformer block.
+
+    Raises:
+        ValueError: the model has fewer numbered blocks than ``streaming.fragments``.
+    """
+    return plan_fragments(specs, cfg.sync_block_fragments, cfg.streaming.pattern)
+
+
+def tensor_hash(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' fp32 bytes, in order (parameter identity across processes)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -11,10 +11,10 @@ from typing import Any
 
 from ray.tune import Trainable
 
-from .config import Config
-from .errors import ConfigError, RayDilocoError
-from .space import SweepSpec
-from .storage import join_uri
+from ray_diloco.config import Config
+from ray_diloco.errors import ConfigError, RayDilocoError
+from ray_diloco.tune.space import SweepSpec
+from ray_diloco.components.storage import join_uri
 
 class TrialError(RuntimeError):
     """A trial's run failed with a one-line reason (shown in the results table's ``error``)."""
@@ -29,8 +29,8 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     """
     import shutil
 
-    from .checkpoint import list_checkpoints
-    from .storage import is_uri
+    from ray_diloco.components.checkpoint import list_checkpoints
+    from ray_diloco.components.storage import is_uri
 
     remote = is_uri(s.storage_path)
     local_root = s.local_dir / "trials"
@@ -49,7 +49,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     run_dir = local_root / trial
     resume = None
     if remote:
-        from .storage import download_run
+        from ray_diloco.components.storage import download_run
 
         try:
             resume = download_run(join_uri(cfg.run.storage_path, trial), local_root)
@@ -70,8 +70,8 @@ class _StopTrial(Exception):
 class DilocoTrial(Trainable):
     """Ray Tune class trainable: one full run with the trial's parameters on its reserved bundles.
 
-    The run (:func:`ray_diloco.trainer.train`) goes on in a thread, one outer step per
-    :meth:`step` call: each returns that outer step's metrics (see :mod:`ray_diloco.sweep`), the
+    The run (:func:`ray_diloco.runtime.trainer.train`) goes on in a thread, one outer step per
+    :meth:`step` call: each returns that outer step's metrics (see :mod:`ray_diloco.tune.sweep`), the
     last one with ``done``, and the thread waits at the boundary until Tune asks for the next.
     When Tune stops the trial (ASHA, Ctrl-C), :meth:`cleanup` ends the run at that boundary the
     normal way, so no outer step is trained past the last report, its W&B run is finished and its
@@ -87,7 +87,7 @@ class DilocoTrial(Trainable):
 
         import ray
 
-        from . import cluster
+        from ray_diloco.runtime import cluster
 
         self._spec = SweepSpec(**spec)
         self._rows: queue.Queue = queue.Queue()
@@ -110,7 +110,7 @@ class DilocoTrial(Trainable):
         self._thread.start()
 
     def _train(self, cfg: Config, resume: Path | None, local_root: Path) -> None:
-        from .trainer import train
+        from ray_diloco.runtime.trainer import train
 
         try:
             if resume is not None:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import DataError
+from ray_diloco.errors import DataError
 
 COLUMNS = ("N", "M", "H", "inner_lr", "outer_lr", "global_batch", "tokens", "eval_loss")
 ALIASES = {"num_parameters": "N", "params": "N", "n": "N", "replicas": "M", "m": "M", "h": "H",
@@ -98,7 +98,7 @@ def paper_table() -> Any:
                          for m, losses in PAPER_LOSSES.items() for n, loss in zip(PAPER_SIZES.values(), losses)])
 
 
-PAPER_FITS_FILE = Path(__file__).parent / "data" / "paper_fits.json"  # paper_fits(cached=False), saved
+PAPER_FITS_FILE = Path(__file__).parents[1] / "data" / "paper_fits.json"  # paper_fits(cached=False), saved
 
 
 @functools.lru_cache(maxsize=4)

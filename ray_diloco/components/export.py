@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import Config
-from .errors import CheckpointError
-from .fragments import Fragment, param_specs, unflatten_into
-from .model import ModelFn, resolve_model_shape
+from ray_diloco.config import Config
+from ray_diloco.errors import CheckpointError
+from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
+from ray_diloco.models.transformer import ModelFn, resolve_model_shape
 
 
 def check_sizes(fragments: list, params: list[np.ndarray]) -> None:
@@ -34,7 +34,8 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
     Raises:
         CheckpointError: if the sizes do not match the model built from ``cfg`` / ``model_fn``.
     """
-    from .replica import build_model, fragment_plan
+    from ray_diloco.core.fragments import fragment_plan
+    from ray_diloco.models.transformer import build_model
 
     model = build_model(cfg, vocab_size, model_fn)
     try:
@@ -75,7 +76,7 @@ def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.nda
     from huggingface_hub import save_torch_state_dict
     from transformers import GenerationConfig
 
-    from .model import hf_config, resolve_model_shape
+    from ray_diloco.models.transformer import hf_config, resolve_model_shape
 
     check_sizes(fragments, params)
     shape = resolve_model_shape(cfg.model, vocab_size)

@@ -12,7 +12,7 @@ Algorithm 1; Streaming DiLoCo, arXiv 2501.18512, section 2)::
 
 Before an evaluation, a checkpoint or the export the trainer waits until the driver has
 completed every sync sent so far. Replica deaths, replacements and joins are handled by
-:class:`~ray_diloco.elastic.Membership` (see there) between and during outer steps.
+:class:`~ray_diloco.runtime.membership.Membership` (see there) between and during outer steps.
 
 ``algorithm: dp`` runs the data-parallel baseline with the same workers, data, inner optimiser
 and schedule: one DDP group over all M x W workers and no outer step.
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import (
+from ray_diloco.components.checkpoint import (
     checkpoint_config,
     global_params,
     list_checkpoints,
@@ -45,19 +45,19 @@ from .checkpoint import (
     remove_partial_checkpoints,
     save_checkpoint,
 )
-from .cluster import (Replica, all_workers, check_resources, error_cause, init_ray, initial_members, start_replicas,
+from ray_diloco.runtime.cluster import (Replica, all_workers, check_resources, error_cause, init_ray, initial_members, start_replicas,
                       stop_replicas)
-from .elastic import Membership, read_scale
-from .config import Config, check_overlap, load_config
-from .data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
-from .errors import CheckpointError, ClusterError, ConfigError, DataError
-from .exchange import communication_summary
-from .export import check_sizes, export_model
-from .model import ModelFn, pin_model_fields
-from .replica import fragment_plan
-from .schedules import SyncSchedule, is_due, outer_step_bounds
-from .storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
-from .tracking import Tracker, write_summary
+from ray_diloco.runtime.membership import Membership, read_scale
+from ray_diloco.config import Config, check_overlap, load_config
+from ray_diloco.components.data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows, val_windows
+from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError
+from ray_diloco.core.wire import communication_summary
+from ray_diloco.components.export import check_sizes, export_model
+from ray_diloco.models.transformer import ModelFn, pin_model_fields
+from ray_diloco.core.fragments import fragment_plan
+from ray_diloco.core.schedules import SyncSchedule, is_due, outer_step_bounds
+from ray_diloco.components.storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
+from ray_diloco.components.tracking import Tracker, write_summary
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Trainer:
         """
         import ray
 
-        from .driver import OuterDriverActor
+        from ray_diloco.runtime.driver import OuterDriverActor
 
         self.cfg.diloco.cpus_per_worker = check_resources(self.cfg)
         if self.cfg.diloco.cpus_per_worker < 1:
@@ -349,7 +349,7 @@ class Trainer:
             time.sleep(0.2)
             m.admit(m.poll(), step, self._settle)
 
-    def _round(self, k: int) -> dict[str, Any]:
+    def outer_step(self, k: int) -> dict[str, Any]:
         """Inner steps of outer step ``k`` on every live worker; the fragment syncs due in them
         run inside the workers (``ReplicaWorker.train``). Returns the metrics row."""
         import ray
@@ -538,7 +538,7 @@ class Trainer:
         t_start = time.perf_counter()
         compute_total = wait_total = 0.0
         for k in range(self.state.outer_step + 1, last + 1):
-            row = self._round(k)
+            row = self.outer_step(k)
             compute_total += row["inner_compute_s"]
             wait_total += row["outer_wait_s"]
             if is_due(k, cfg.run.eval_every, last):
@@ -712,7 +712,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         resume: a run directory to continue from its newest checkpoint.
         address: Ray address ("auto" to join a running cluster); default: start a local one.
         model_fn: ``(shape: dict, vocab_size: int) -> nn.Module`` to train instead of the presets.
-        corpus: a pre-tokenised :class:`~ray_diloco.data.Corpus` instead of ``config.data``.
+        corpus: a pre-tokenised :class:`~ray_diloco.components.data.Corpus` instead of ``config.data``.
         on_outer_step: called with each outer step's metrics row (a dict, as in ``metrics.jsonl``, plus
             ``wandb_warning`` when W&B fell back to offline or off)
             after its evaluation and checkpoint; Ray Tune trials report through it.
@@ -735,7 +735,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         raise ConfigError([f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
                            f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"])
     if cfg.run.tokens_per_parameter is not None and rs is None:
-        from .model import budget_steps
+        from ray_diloco.models.transformer import budget_steps
 
         cfg.run.steps = budget_steps(cfg, corpus.vocab_size, model_fn)
         print(f"run.steps = {cfg.run.steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "

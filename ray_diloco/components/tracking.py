@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import Config
+from ray_diloco.config import Config
 
 
 def wandb_mode(mode: str) -> str:

@@ -1,11 +1,11 @@
 """Elastic replicas: who is live, who is starting, which data slot each reads, and what happens
 when a replica dies, joins or leaves.
 
-Replicas change only between outer steps (``Trainer._round``), except that a death is acted on
+Replicas change only between outer steps (``Trainer.outer_step``), except that a death is acted on
 as soon as Ray reports it: the replica's actors and placement group are removed and the
 driver stops waiting for it, so the rounds in flight complete with the survivors (DiLoCo,
 arXiv 2311.08105, section 3: dropped outer gradients cost little). Replacements and scale-up
-replicas start in the background (:class:`~ray_diloco.cluster.ReplicaLaunch`) and are admitted
+replicas start in the background (:class:`~ray_diloco.runtime.cluster.ReplicaLaunch`) and are admitted
 at the next outer-step boundary:
 
 1. every live worker settles its syncs in flight, so the driver's global parameters are final;
@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
-from .config import Config
-from .errors import ClusterError, ConfigError
-from .model import ModelFn
+from ray_diloco.runtime.cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
+from ray_diloco.config import Config
+from ray_diloco.errors import ClusterError, ConfigError
+from ray_diloco.models.transformer import ModelFn
 
 
 #: The file in a run directory that ``ray-diloco scale`` writes and a running trainer reads
@@ -49,7 +49,7 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
         ConfigError: not a run directory, or ``replicas`` outside
             ``[diloco.min_replicas, max(diloco.replicas, diloco.max_replicas)]``.
     """
-    from .config import load_config
+    from ray_diloco.config import load_config
 
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "config.yaml").is_file():

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import DataConfig
-from .errors import DataError
+from ray_diloco.config import DataConfig
+from ray_diloco.errors import DataError
 
-BUNDLED_CORPUS = Path(__file__).parent / "data" / "tinyshakespeare.txt"
+BUNDLED_CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
              ".parquet": "parquet", ".csv": "csv"}
 

@@ -5,17 +5,38 @@ Both run in this process (no Ray needed) on CPU, or on the first GPU when one is
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint import checkpoint_config, global_params, latest_checkpoint, list_checkpoints, load_checkpoint
-from .data import load_corpus, load_saved_tokenizer, val_windows
-from .errors import CheckpointError, RayDilocoError
-from .export import model_with_params
-from .model import logits_of
-from .replica import evaluate_loss
+from ray_diloco.components.checkpoint import checkpoint_config, global_params, latest_checkpoint, list_checkpoints, load_checkpoint
+from ray_diloco.components.data import load_corpus, load_saved_tokenizer, val_batch, val_windows
+from ray_diloco.errors import CheckpointError, RayDilocoError
+from ray_diloco.components.export import model_with_params
+from ray_diloco.models.transformer import lm_loss, logits_of
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, windows: np.ndarray,
+                  batch: int, autocast=nullcontext) -> tuple[float, int]:
+    """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
+    ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(windows), batch):
+        x, y = val_batch(tokens, seq_len, windows[s : s + batch])
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits = logits_of(model(x))
+        _, ce = lm_loss(logits, y, 0.0)
+        total += float(ce) * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total, count
 
 
 def _tokenizer(run_dir: Path):
@@ -36,7 +57,7 @@ def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None, run_dir: 
     if state.get("custom_model") and model_fn is None:
         raise CheckpointError(
             f"run {run_dir or ''} was trained with a custom model_fn (Python API): evaluate or sample it from "
-            "Python with ray_diloco.evaluate.evaluate_run(run_dir, model_fn=...) / generate(..., model_fn=...)"
+            "Python with ray_diloco.components.evaluate.evaluate_run(run_dir, model_fn=...) / generate(..., model_fn=...)"
         )
     cfg = checkpoint_config(state)
     return model_with_params(cfg, global_params(state), vocab_size, model_fn)

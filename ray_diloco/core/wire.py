@@ -1,0 +1,134 @@
+"""The wire protocol of the outer exchange: round statuses, the driver's reply, the downlink rule,
+and the byte accounting (Streaming DiLoCo, arXiv 2501.18512, section 2; DiLoCo, arXiv 2311.08105).
+
+Uplink: each replica's unreduced pseudo-gradient ``delta = global - local`` (fp32 ``[numel_p]``),
+quantised with ``streaming.quantization`` (plus its error-feedback residual when enabled).
+Downlink (see ``core.outer.OuterOptimizer.step``): with ``none`` the new global fragment in fp32;
+otherwise the quantised outer update ``u = new - old``, which every receiver (and the driver
+itself) applies with :func:`apply_downlink`, so the driver and every replica hold
+bitwise-identical global parameters.
+
+Bytes counted are the lengths of the serialised messages (``quantize.to_message``: 13-byte
+header + fp32 block scales + packed values); Ray adds a few dozen bytes of object metadata.
+No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driver.py``) carry it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ray_diloco.core.quantize import decode, from_message
+
+
+def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
+    """The new global fragment (fp32 ``[numel_p]``, a new tensor) from the driver's reply.
+
+    A ``none`` message carries the new global values themselves; any other format carries the
+    quantised outer update, and the result is ``old_global + dequantised update`` computed in
+    fp32 by this one function on the driver and on every replica (bitwise-identical globals).
+
+    Raises:
+        ValueError: malformed message or wrong number of values.
+    """
+    packed = from_message(message)
+    if packed.numel != old_global.numel():
+        raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
+    values = torch.from_numpy(decode(packed))
+    return values if packed.format == "none" else old_global + values
+
+
+OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"
+
+
+@dataclass
+class Reply:
+    """The driver's answer to one receiver for one round.
+
+    Attributes:
+        status: ``ok`` (this replica's pseudo-gradient was averaged), ``dropped`` (the round
+            completed without it: late, timed out, or not expected), ``rejected`` (it was not
+            finite: reset to the global parameters), ``failed`` (no quorum: no outer step).
+        version: the fragment's global version the receiver holds after applying ``message``.
+        message: the downlink bytes: the quantised outer update (``resync`` False), the full
+            fp32 global fragment (``resync`` True), or None (nothing to apply).
+        resync: ``message`` is a full-precision copy of the global fragment.
+    """
+
+    status: str
+    version: int
+    message: bytes | None = None
+    resync: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire for this reply (the message; 0 without one)."""
+        return len(self.message) if self.message is not None else 0
+
+
+def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
+    """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
+    without a message, the resync values, or ``exchange.apply_downlink(old, message)``.
+
+    Raises:
+        ValueError: malformed message or wrong number of values.
+    """
+    if reply.message is None:
+        return old_global
+    if reply.resync:
+        packed = from_message(reply.message)
+        if packed.numel != old_global.numel():
+            raise ValueError(f"resync has {packed.numel} values, the fragment has {old_global.numel()}")
+        return torch.from_numpy(decode(packed))
+    return apply_downlink(old_global, reply.message)
+
+
+def link_delay_s(nbytes: int, bandwidth_gbps: float | None, latency_ms: float) -> float:
+    """Emulated one-way transfer time of a message: ``latency + 8 * nbytes / bandwidth`` seconds."""
+    return latency_ms / 1e3 + (8.0 * nbytes / (bandwidth_gbps * 1e9) if bandwidth_gbps else 0.0)
+
+
+@dataclass
+class SyncResult:
+    """What a finished exchange hands to the training thread."""
+
+    new_global: torch.Tensor  # fp32 [numel_p]
+    bytes_up: int  # this worker's message to the driver (0 on ranks > 0)
+    bytes_down: int  # the driver's reply
+    status: str = "ok"  # Reply.status: ok, dropped, rejected or failed
+    version: int = 0  # the fragment's global version new_global is
+
+
+DP_FORMULA = ("ring all-reduce: each of R ranks sends and receives 2 N (R-1)/R values per step in each "
+              "direction, b bytes per value (4 fp32, 2 bf16), R = M replicas")
+
+
+def dp_equivalent_bytes(num_params: int, steps: int, ranks: int, bytes_per_value: int = 4) -> int:
+    """Bytes one rank sends (and, equally, receives) in ``steps`` steps of data-parallel training
+    with a ring all-reduce of ``num_params`` gradients over ``ranks`` ranks:
+    ``2 N (R-1)/R x b`` per step (about ``2 N b`` for large R)."""
+    return int(round(2 * num_params * (ranks - 1) / ranks * bytes_per_value * steps)) if ranks > 1 else 0
+
+
+def communication_summary(num_params: int, steps: int, replicas: int, bytes_up: int, bytes_down: int,
+                          peak_sync_bytes: int) -> dict[str, Any]:
+    """Bytes per replica for the whole run, next to the data-parallel equivalent (both directions).
+
+    ``bytes_up``/``bytes_down`` are totals over all replicas; ``peak_sync_bytes`` is the largest
+    up + down of one replica's fragment sync.
+    """
+    up, down = bytes_up / replicas, bytes_down / replicas
+    dp32 = dp_equivalent_bytes(num_params, steps, replicas, 4)
+    dp16 = dp_equivalent_bytes(num_params, steps, replicas, 2)
+    ours = up + down
+    return {
+        "bytes_up_per_replica": int(up),
+        "bytes_down_per_replica": int(down),
+        "peak_sync_bytes_per_replica": int(peak_sync_bytes),
+        "dp_fp32_bytes_per_replica": 2 * dp32,  # up + down
+        "dp_bf16_bytes_per_replica": 2 * dp16,
+        "dp_formula": DP_FORMULA,
+        "fewer_bytes_than_dp_fp32": (2 * dp32 / ours) if ours > 0 and dp32 > 0 else None,
+    }

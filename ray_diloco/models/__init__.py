@@ -1,0 +1,1 @@
+"""Model builders: decoder-only LMs from transformers configs (no downloaded weights)."""

@@ -1,0 +1,127 @@
+"""The replica side of the outer exchange: a link thread per worker and WAN emulation.
+
+Streaming DiLoCo (arXiv 2501.18512, section 2) hides communication behind compute: a replica
+sends a fragment's pseudo-gradient at its sync step and keeps training; the new global value
+is merged ``tau`` steps later. Here each worker owns a :class:`Link`, one background thread
+that (rank 0) quantises and sends the pseudo-gradient to the outer-optimiser driver and
+(every rank) receives the driver's reply and rebuilds the new global fragment. The training
+thread only copies the pseudo-gradient out and, at the merge step, waits on a future, so
+the time it spends blocked is exactly the communication the overlap failed to hide.
+
+The wire format itself (statuses, replies, the downlink rule) is ``core/wire.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ray_diloco.core.quantize import quantize_with_feedback
+from ray_diloco.core.wire import OK, SyncResult, decode_reply, link_delay_s
+
+
+@dataclass
+class LinkStats:
+    """Seconds on one worker's link thread (bytes are counted by the worker when it merges)."""
+
+    emulated_delay_s: float = 0.0
+    busy_s: float = 0.0  # wall seconds the link thread spent on exchanges (encode, transfer, wait)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for metrics."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class Link:
+    """A worker's connection to the outer-optimiser driver, served by one background thread.
+
+    Args:
+        driver: the ``OuterDriver`` actor handle.
+        replica, rank: who this worker is; only rank 0 sends (all ranks of a replica hold the
+            same parameters), every rank receives.
+        fmt: ``streaming.quantization``. error_feedback: keep per-fragment residuals (rank 0).
+        bandwidth_gbps, latency_ms: WAN emulation, slept on this thread per message.
+    """
+
+    driver: Any
+    replica: int
+    rank: int
+    fmt: str = "none"
+    error_feedback: bool = False
+    bandwidth_gbps: float | None = None
+    latency_ms: float = 0.0
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    stats: LinkStats = field(default_factory=LinkStats)
+
+    def __post_init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
+        self._lock = threading.Lock()
+
+    def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
+                 old_global: torch.Tensor, version: int = 0, average_only: bool = False) -> Future:
+        """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
+        ``Future[SyncResult]``.
+
+        ``delta`` (fp32 ``[numel_p]``, owned by the link from now on) is required on rank 0 and
+        ignored on other ranks; a non-finite one is not sent (the replica abstains and the
+        driver rejects it). ``old_global`` (the global version ``version``) must not change
+        until the future is done. ``average_only``: the driver averages instead of taking an
+        outer step (a closing round). With error feedback, a pseudo-gradient the round did not
+        use (dropped, rejected, failed) leaves the residual as it was: the replica's next
+        pseudo-gradient still contains it.
+        """
+        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
+
+    def _sleep(self, nbytes: int) -> None:
+        d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
+        if d > 0:
+            time.sleep(d)
+            with self._lock:
+                self.stats.emulated_delay_s += d
+
+    def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
+             old_global: torch.Tensor, version: int, average_only: bool) -> SyncResult:
+        import ray
+
+        t0 = time.perf_counter()
+        up = 0
+        if self.rank == 0:
+            before = self.residuals.get(fragment)
+            message = None
+            if bool(torch.isfinite(delta).all()):
+                message, residual = quantize_with_feedback(delta, self.fmt, before)
+                if self.error_feedback:
+                    self.residuals[fragment] = residual
+            up = len(message) if message is not None else 0
+            self._sleep(up)
+            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, version,
+                                                        average_only))
+            if reply.status != OK and self.error_feedback:
+                if before is None:
+                    self.residuals.pop(fragment, None)
+                else:
+                    self.residuals[fragment] = before
+        else:
+            reply = ray.get(self.driver.result.remote(fragment, step, self.replica, version, average_only))
+        down = reply.nbytes
+        self._sleep(down)
+        new_global = decode_reply(old_global, reply)
+        with self._lock:
+            self.stats.busy_s += time.perf_counter() - t0
+        return SyncResult(new_global, up, down, reply.status, reply.version)
+
+    def take_stats(self) -> dict[str, Any]:
+        """The counters since the last call, then reset."""
+        with self._lock:
+            out, self.stats = self.stats.as_dict(), LinkStats()
+        return out
+
+    def close(self) -> None:
+        """Stop the thread (pending exchanges are abandoned)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
