@@ -38,7 +38,8 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
 
     from ray_diloco.config import load_config
     from ray_diloco.components.data import load_corpus
-    from ray_diloco.runtime.trainer import Trainer, _new_run_dir
+    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.trainer import Trainer
 
     cfg = load_config(None, ["diloco.replicas=2", "diloco.H=50", f"run.steps={steps}", "run.eval_every=0",
                              "run.checkpoint_every=0", f"run.output_dir={out_dir}", f"run.name={name}",

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 def train(*args, **kwargs):
     """Run DiLoCo or the DP baseline; see :func:`ray_diloco.runtime.trainer.train`."""
-    from ray_diloco.runtime.trainer import train as _train
+    from ray_diloco.runtime.launcher import train as _train
 
     return _train(*args, **kwargs)
 

@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
-    from ray_diloco.runtime.trainer import train
+    from ray_diloco.runtime.launcher import train
 
     train(a.config, a.overrides, resume=a.resume, address=a.address)
     return 0

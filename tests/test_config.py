@@ -106,7 +106,7 @@ def test_head_dim_must_be_even_for_rope():
 def test_resume_cannot_change_the_data_slots():
     """max_replicas sets the number of data slots (shards); a resume that changes it is refused
     before config.yaml is rewritten."""
-    from ray_diloco.runtime.trainer import _check_resumable
+    from ray_diloco.runtime.launcher import _check_resumable
 
     saved = load_config(None, ["diloco.max_replicas=2"])
     with pytest.raises(ConfigError) as e:

@@ -21,7 +21,8 @@ from ray_diloco.errors import ClusterError
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import Packed, quantize_message, to_message
 from ray_diloco.core.fragments import tensor_hash
-from ray_diloco.runtime.trainer import Trainer, _new_run_dir
+from ray_diloco.runtime.launcher import _new_run_dir
+from ray_diloco.runtime.trainer import Trainer
 
 N = 257
 

@@ -18,7 +18,7 @@ from conftest import tiny_overrides
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
 from ray_diloco.components.storage import download_run, filesystem
-from ray_diloco.runtime.trainer import train
+from ray_diloco.runtime.launcher import train
 
 
 def _remote_files(uri: str) -> set[str]:

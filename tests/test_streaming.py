@@ -18,7 +18,8 @@ from ray_diloco.models.transformer import build_transformers_model, resolve_mode
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import FORMATS, from_message, message_nbytes, quantize_message, to_message
 from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
-from ray_diloco.runtime.trainer import Trainer, _new_run_dir
+from ray_diloco.runtime.launcher import _new_run_dir
+from ray_diloco.runtime.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------
 # fragments
@@ -451,7 +452,7 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     extended schedule: resuming the final checkpoint with more steps trains on."""
     import ray_diloco
     from ray_diloco.components.checkpoint import latest_checkpoint
-    from ray_diloco.runtime.trainer import prepare
+    from ray_diloco.runtime.launcher import prepare
 
     over = tiny_overrides(tmp_path, run__name="ext", run__steps=16, diloco__H=8, run__eval_every=0,
                           run__checkpoint_every=0, streaming__fragments=2, streaming__overlap_steps=1,
@@ -485,7 +486,7 @@ def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp
     from ray_diloco.components.checkpoint import save_checkpoint
     from ray_diloco.config import load_config
     from ray_diloco.errors import ConfigError
-    from ray_diloco.runtime.trainer import prepare
+    from ray_diloco.runtime.launcher import prepare
 
     cfg = load_config(tiny_overrides(tmp_path, run__name="odd", run__steps=14, diloco__H=8))
     run_dir = tmp_path / "runs" / "odd"

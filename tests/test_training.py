@@ -21,7 +21,8 @@ from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.models.transformer import build_model, make_inner_optimizer
 from ray_diloco.core.schedules import inner_lr
-from ray_diloco.runtime.trainer import Trainer, _new_run_dir, train
+from ray_diloco.runtime.launcher import _new_run_dir, train
+from ray_diloco.runtime.trainer import Trainer
 
 
 def _trainer(cfg, tmp_path, corpus, model_fn=None):
@@ -226,7 +227,7 @@ def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp
 def test_resume_refuses_structural_changes(tmp_path):
     from ray_diloco.errors import CheckpointError, ConfigError
     from ray_diloco.components.export import model_with_params
-    from ray_diloco.runtime.trainer import _check_resumable
+    from ray_diloco.runtime.launcher import _check_resumable
 
     saved = load_config(tiny_overrides(tmp_path))
     _check_resumable(load_config(tiny_overrides(tmp_path, run__steps=99, outer__lr=0.5)), saved)  # allowed
@@ -240,7 +241,7 @@ def test_resume_refuses_structural_changes(tmp_path):
     _check_resumable(load_config(tiny_overrides(tmp_path, streaming__quantization="int8")), saved)  # allowed
     with pytest.raises(CheckpointError, match="parameters"):
         model_with_params(saved, [np.zeros(10, np.float32)], 50)
-    from ray_diloco.runtime.trainer import prepare
+    from ray_diloco.runtime.launcher import prepare
 
     with pytest.raises(ConfigError, match="--resume"):
         prepare("dp", resume=tmp_path)
@@ -274,7 +275,7 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
     from ray_diloco.errors import ConfigError
     from ray_diloco.components.evaluate import model_from_checkpoint
     from ray_diloco.models.transformer import build_transformers_model, pin_model_fields, resolve_model_shape
-    from ray_diloco.runtime.trainer import prepare
+    from ray_diloco.runtime.launcher import prepare
 
     new = pin_model_fields(load_config({}).model)
     assert (new.family, new.n_layers, new.n_heads, new.d_model, new.d_ff, new.context) == ("gpt2", 4, 4, 128, 512, 64)

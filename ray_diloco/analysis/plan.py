@@ -21,6 +21,7 @@ from ray_diloco.models.transformer import build_transformers_model, resolve_mode
 from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.fragments import fragment_plan
 from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.runtime.strategy import STRATEGIES, strategy_class
 
 
 def plan_vocab_size(cfg: Config) -> int:
@@ -126,7 +127,7 @@ def format_plan(p: dict[str, Any]) -> str:
               f"{_fmt_bytes(p['dp_bf16_bytes_per_replica'])} bf16"
               + (f"; {ratio:,.0f}x fewer bytes than fp32 DP" if ratio else ""),
               f"  ({p['dp_formula']})"]
-    if p["algorithm"] != "diloco":
+    if STRATEGIES[p["algorithm"]].all_reduces_every_step:
         lines.insert(1, "note: algorithm dp all-reduces every step; the rows show what DiLoCo would exchange")
     return "\n".join(lines)
 
@@ -148,7 +149,7 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
     model = ModelSpec(f"{p['params']:.3g}", p["params"], resolve_model_shape(cfg.model, 1)["n_layers"], step)
     largest = max(p["rows"], key=lambda r: r["params"])
     bits = 8 * largest["bytes_up_per_sync"] / largest["params"]
-    if cfg.algorithm == "dp":
+    if strategy_class(cfg).all_reduces_every_step:
         method = Method("dp", bits=16.0)  # DP reduces bf16 gradients
     elif p["fragments"] == 1 and p["overlap_steps"] == 0:
         method = Method("diloco", H=p["H"], bits=bits)

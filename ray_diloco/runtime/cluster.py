@@ -193,7 +193,8 @@ def wait_placed(pgs: list[Any], timeout_s: float) -> Any | None:
     return None
 
 
-def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None) -> None:
+def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None,
+           allreduce_emulation: bool = False) -> None:
     """Create the replica's worker actors in its (placed) placement group."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -208,7 +209,8 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
             scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group,
                                                                  placement_group_bundle_index=r.bundle_offset + rank),
         ).remote(cfg.to_dict(), r.index, rank, world, max(r.slot, 0) * world + rank, cfg.num_shards, vocab_size,
-                 model_fn))  # slot -1: not known until the replica joins (it then moves to its shard)
+                 model_fn, **({"allreduce_emulation": True} if allreduce_emulation else {})))
+        # slot -1: not known until the replica joins (it then moves to its shard)
 
 
 def initial_members(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int, int]]:
@@ -218,12 +220,14 @@ def initial_members(cfg: Config, members: list[tuple[int, int, int]] | None = No
 
 
 def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
-                   members: list[tuple[int, int, int]] | None = None) -> list[Replica]:
+                   layout: list[tuple[int, int, int, int, str]], allreduce_emulation: bool = False) -> list[Replica]:
     """Placement groups and worker actors; process groups formed; data shards opened. Blocks
     until every replica is placed (``diloco.placement_timeout_s``) and set up.
 
-    ``members``: ``(replica id, slot, join step)`` per replica; default ``(m, m, 0)`` for the
-    ``diloco.replicas`` replicas (DP: one group of every worker).
+    ``layout``: ``(replica id, slot, join step, workers, placement strategy)`` per placement
+    group, from the sync strategy (``runtime/strategy.py``: one group per DiLoCo replica, or
+    one DDP group of every worker for the DP baseline). ``allreduce_emulation``: the workers'
+    DDP all-reduce sleeps the emulated WAN time (the DP baseline under ``network.*``).
 
     Raises:
         ClusterError: a placement group was not placed in time.
@@ -231,11 +235,6 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, m
     import ray
 
     d = cfg.diloco
-    if cfg.algorithm == "dp":  # one DDP group over every worker
-        layout = [(0, 0, 0, cfg.num_shards, "PACK")]
-    else:
-        layout = [(m, slot, j, d.workers_per_replica, "STRICT_PACK")
-                  for m, slot, j in initial_members(cfg, members)]
     replicas: list[Replica] = []
     try:
         for m, slot, j, world, strategy in layout:
@@ -247,7 +246,7 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, m
                 f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
                 f"({len(stuck.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time")
         for (_, _, _, world, _), r in zip(layout, replicas):
-            _spawn(cfg, r, world, vocab_size, model_fn)
+            _spawn(cfg, r, world, vocab_size, model_fn, allreduce_emulation)
         masters = ray.get([r.rank0.node_address.remote() for r in replicas])
         train_ref, val_ref = corpus_refs
         ray.get([w.setup.remote(addr, train_ref, val_ref) for r, addr in zip(replicas, masters) for w in r.workers])

@@ -50,13 +50,14 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
             ``[diloco.min_replicas, max(diloco.replicas, diloco.max_replicas)]``.
     """
     from ray_diloco.config import load_config
+    from ray_diloco.runtime.strategy import strategy_class
 
     run_dir = Path(run_dir).expanduser()
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError([f"scale {run_dir}: not a run directory (no config.yaml)"])
     cfg = load_config(run_dir / "config.yaml")
     d = cfg.diloco
-    if cfg.algorithm != "diloco":
+    if not strategy_class(cfg).elastic:
         raise ConfigError([f"scale {run_dir}: algorithm = {cfg.algorithm!r}; only diloco runs are elastic"])
     if not d.min_replicas <= replicas <= cfg.num_slots:
         raise ConfigError([f"--replicas = {replicas}: must be in [diloco.min_replicas = {d.min_replicas}, "

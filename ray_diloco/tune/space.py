@@ -16,6 +16,7 @@ import yaml
 from ray_diloco.config import Config, load_config, resolve_config_path
 from ray_diloco.errors import ConfigError
 from ray_diloco.components.storage import join_uri, read_text
+from ray_diloco.runtime.strategy import strategy_class
 
 SPACE_KEYS = ("description", "config", "set", "params", "metric", "mode", "num_samples", "scheduler", "asha",
               "search", "resources", "max_concurrent_trials")
@@ -129,7 +130,7 @@ class SweepSpec:
         worker = {"CPU": float(d.cpus_per_worker)}
         if d.gpus_per_worker:
             worker["GPU"] = float(d.gpus_per_worker)
-        n = cfg.num_shards if cfg.algorithm == "diloco" else d.replicas * d.workers_per_replica
+        n = strategy_class(cfg).workers(cfg)
         return [{"CPU": float(self.resources.get("trial_cpus", 0.5))}] + [dict(worker) for _ in range(n)]
 
 

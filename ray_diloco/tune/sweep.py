@@ -52,6 +52,7 @@ import yaml
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
+from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
 from ray_diloco.components.storage import is_uri, join_uri, read_text, write_bytes, write_text
 from ray_diloco.tune.trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
@@ -325,7 +326,7 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
             "algorithm": cfg.algorithm if cfg else None,
             "model": cfg.model.preset if cfg else None,
             "num_parameters": summary.get("num_parameters") or _num_parameters(run_dir),
-            "replicas": (0 if cfg.algorithm == "dp" else cfg.diloco.replicas) if cfg else None,
+            "replicas": strategy_class(cfg).reported_replicas(cfg) if cfg else None,
             "H": cfg.diloco.H if cfg else None,
             "inner_lr": cfg.inner.lr if cfg else None,
             "outer_lr": cfg.outer.lr if cfg else None,

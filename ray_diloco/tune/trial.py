@@ -110,7 +110,7 @@ class DilocoTrial(Trainable):
         self._thread.start()
 
     def _train(self, cfg: Config, resume: Path | None, local_root: Path) -> None:
-        from ray_diloco.runtime.trainer import train
+        from ray_diloco.runtime.launcher import train
 
         try:
             if resume is not None:

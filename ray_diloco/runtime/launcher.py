@@ -1,0 +1,358 @@
+"""The launcher: config and run directory, resume checks, Ray start-up, the run, its summary.
+
+:func:`train` is ``ray_diloco.train`` and ``ray-diloco train``: it resolves the config (and on
+resume the checkpoint, :func:`prepare`), fixes what the run decides at start in a
+:class:`ResolvedRun` (the token budget's step count, the model's pinned shape, the CPUs per
+worker; the user's config object is never changed), starts or joins Ray, runs the
+:class:`~ray_diloco.runtime.trainer.Trainer`, exports the model and writes ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ray_diloco.components.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint, lock_run_dir, \
+    remove_partial_checkpoints
+from ray_diloco.components.data import Corpus, load_corpus, load_saved_tokenizer, num_train_windows
+from ray_diloco.components.export import export_model
+from ray_diloco.components.storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
+from ray_diloco.components.tracking import Tracker, write_summary
+from ray_diloco.config import Config, load_config
+from ray_diloco.core.wire import communication_summary
+from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError
+from ray_diloco.models.transformer import ModelFn, pin_model_fields
+from ray_diloco.runtime.cluster import check_resources, error_cause, init_ray
+from ray_diloco.runtime.strategy import strategy_class
+from ray_diloco.runtime.resolved import ResolvedRun
+from ray_diloco.runtime.trainer import Trainer, signals_deferred
+
+
+def _run_dir_for(cfg: Config) -> Path:
+    """The new run's directory (not created yet).
+
+    Raises:
+        ConfigError: if it exists and is not empty (an existing run is never overwritten).
+    """
+    if cfg.run.name is None:  # fixed once, so checking and creating name the same directory
+        cfg.run.name = datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{cfg.algorithm}-{secrets.token_hex(2)}"
+    remote = is_uri(cfg.run.storage_path)
+    out = Path(cfg.run.storage_path if cfg.run.storage_path and not remote else cfg.run.output_dir).expanduser()
+    blocker = next((p for p in [out, *out.parents] if p.exists()), None)
+    if blocker is not None and (not blocker.is_dir() or not os.access(blocker, os.W_OK | os.X_OK)):
+        raise ConfigError([f"run.output_dir = {cfg.run.output_dir!r}: {blocker} is not a writable directory"])
+    run_dir = out / cfg.run.name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError([f"run.name = {cfg.run.name!r}: {run_dir} exists and is not a directory"])
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
+                           f"(resume it with --resume {run_dir}, or choose another run.name)"])
+    if remote:
+        uri = join_uri(cfg.run.storage_path, cfg.run.name)
+        fs, path = filesystem(uri)
+        try:
+            exists = fs.get_file_info(f"{path}/config.yaml").type.name == "File"
+        except Exception as e:
+            raise ConfigError([f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]) from None
+        if exists:
+            raise ConfigError([f"run.name = {cfg.run.name!r}: {uri} already holds a run (resume it with --resume "
+                               f"{uri}, or choose another run.name)"])
+    return run_dir
+
+
+def _new_run_dir(cfg: Config) -> Path:
+    run_dir = _run_dir_for(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _truncate_metrics(run_dir: Path, outer_step: int) -> None:
+    """Drop metric rows written after the checkpoint a resume starts from."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("outer_step", 0) <= outer_step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the run
+
+
+FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.max_replicas", "diloco.workers_per_replica", "diloco.H",
+                   "model", "data",
+                   "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
+                   "streaming.pattern", "streaming.overlap_steps")
+
+
+def _check_resumable(cfg: Config, saved: Config) -> None:
+    """Raise :class:`ConfigError` naming each structural field that differs from the checkpoint's."""
+    now, then = cfg.to_dict(), saved.to_dict()
+    problems = []
+    for key in FIXED_ON_RESUME:
+        section, _, name = key.partition(".")
+        a, b = now[section], then[section]
+        if name:
+            a, b = a[name], b[name]
+        if isinstance(a, dict):
+            problems += [f"{section}.{k} = {a[k]!r}: the checkpoint was trained with {b[k]!r}; it cannot change "
+                         "on resume" for k in a if a[k] != b.get(k) and k != "cpus_per_worker"]
+        elif a != b:
+            problems.append(f"{key} = {a!r}: the checkpoint was trained with {b!r}; it cannot change on resume")
+    if problems:
+        raise ConfigError(problems)
+
+
+def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
+            address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
+    """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
+
+    Raises:
+        ConfigError, CheckpointError: before anything is started or written.
+    """
+    if resume is not None:
+        if config is not None:
+            raise ConfigError([f"--config {config}: cannot be combined with --resume (the run's config.yaml is "
+                               "used; change fields such as run.steps with --set)"])
+        if is_uri(str(resume)):  # a mirrored run (run.storage_path): fetch it into run.output_dir
+            resume = download_run(str(resume), load_config(None, overrides, validate=False).run.output_dir)
+        run_dir = Path(resume).expanduser()
+        if not (run_dir / "config.yaml").is_file():
+            raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml", overrides)
+        ckpts = list_checkpoints(run_dir)
+        if ckpts:
+            state = load_checkpoint(ckpts[-1][1])
+            saved = checkpoint_config(state)
+            pin_model_fields(cfg.model, recorded_before_pinning=True)  # config.yaml of a run from before: its shape
+            _check_resumable(cfg, saved)
+            done = int(state["counters"]["inner_step"])
+            if cfg.run.steps < done:
+                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint has already trained {done} inner steps; "
+                                   f"give at least {done} (more extends the run)"])
+            if cfg.run.steps > saved.run.steps and done % cfg.diloco.H:
+                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint ends at inner step {done}, part way "
+                                   f"through an outer step of diloco.H = {cfg.diloco.H} (its run.steps = "
+                                   f"{saved.run.steps} is not a multiple of H), so the run cannot be extended"])
+        else:  # it stopped before its first checkpoint (a failed start-up): run it again from step 0
+            print(f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
+                  file=sys.stderr)
+            state = None
+    else:
+        cfg = load_config(config, overrides)
+        run_dir, state = _run_dir_for(cfg), None
+    if address is not None:
+        cfg.run.address = address
+    return cfg, run_dir, state
+
+
+def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """A finished run resumed with nothing left to train: its summary, nothing started or written.
+    None when summary.json cannot be read or is not that of the checkpoint's ``steps`` (an extension
+    interrupted after its last checkpoint leaves the earlier summary and export): the run then
+    goes through its end again, export and summary included."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("inner_steps") != steps:
+        return None
+    loss = summary.get("final_eval_loss")
+    print(f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
+          "trains it further)", file=sys.stderr)
+    print("final validation loss of the global model: " + (f"{loss:.4f}" if isinstance(loss, float) else str(loss)))
+    print(f"run directory: {run_dir}")
+    return summary
+
+
+def train(config: Any = None, overrides: list[str] | None = None, *, resume: str | Path | None = None,
+          address: str | None = None, model_fn: ModelFn | None = None, corpus: Corpus | None = None,
+          on_outer_step: Any = None) -> dict[str, Any]:
+    """Run DiLoCo (or the DP baseline) and return the summary (also written to ``summary.json``).
+
+    Args:
+        config: a :class:`Config`, a dict, a YAML path or preset name, or None for the defaults.
+        overrides: dotted ``KEY=VALUE`` strings applied on top (``["inner.lr=3e-4"]``).
+        resume: a run directory to continue from its newest checkpoint.
+        address: Ray address ("auto" to join a running cluster); default: start a local one.
+        model_fn: ``(shape: dict, vocab_size: int) -> nn.Module`` to train instead of the presets.
+        corpus: a pre-tokenised :class:`~ray_diloco.components.data.Corpus` instead of ``config.data``.
+        on_outer_step: called with each outer step's metrics row (a dict, as in ``metrics.jsonl``, plus
+            ``wandb_warning`` when W&B fell back to offline or off)
+            after its evaluation and checkpoint; Ray Tune trials report through it.
+
+    Raises:
+        ConfigError, DataError, CheckpointError, ClusterError: with a one-line message.
+    """
+    import ray
+
+    cfg, run_dir, rs = prepare(config, overrides, resume, address)
+    done = int(rs["counters"]["inner_step"]) if rs is not None else 0
+    if rs is not None and done >= cfg.run.steps and (run_dir / "summary.json").is_file():
+        finished = _finished(run_dir, done)
+        if finished is not None:
+            return finished
+    corpus = corpus if corpus is not None else _load_corpus(cfg, run_dir)
+    resolved = _resolve(cfg, corpus, model_fn, rs)
+    _check_corpus(cfg, corpus, run_dir, rs)
+    started_ray = init_ray(cfg)
+    trainer = Trainer(cfg, run_dir, corpus, model_fn, rs, resolved)
+    trainer.on_outer_step = on_outer_step
+    run = trainer.cfg  # the run's config: the user's with what it resolved (the user's is not changed)
+    tracker = lock = None
+    try:
+        lock = _open_run_dir(trainer, fresh=resume is None)
+        trainer.start()
+        if resume is not None:  # only now: a resume that fails to start leaves the run directory as it was
+            write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
+            _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
+        if rs is not None:
+            print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
+                  f"(inner step {trainer.state.inner_step} of {run.run.steps})", file=sys.stderr)
+        print(f"run directory: {run_dir}", file=sys.stderr)
+        tracker = Tracker(run, run_dir, run.run.steps, trainer.state.inner_step)
+        timing = trainer.run(tracker)
+        summary = _summary(trainer, timing, rs)
+        tracker.finish(summary)  # first: summary.json marks a finished run, W&B included
+        tracker = None
+        write_summary(run_dir, summary)
+        if trainer.mirror is not None:
+            trainer.mirror.sync(final=True)
+    except ray.exceptions.RayError as e:
+        raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
+    finally:
+        with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            if tracker is not None:
+                tracker.finish({})
+            trainer.shutdown()
+            if started_ray:
+                ray.shutdown()
+            if lock is not None:
+                lock.close()
+    print(f"final validation loss of the global model: {summary['final_eval_loss']:.4f}")
+    print(f"run directory: {run_dir}")
+    return summary
+
+
+def _load_corpus(cfg: Config, run_dir: Path) -> Corpus:
+    """The run's corpus, tokenised with the run's saved tokenizer when it has one (a resume)."""
+    tok_dir = run_dir / "tokenizer"
+    tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+    return load_corpus(cfg.data, tokenizer=tokenizer)
+
+
+def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str, Any] | None) -> ResolvedRun:
+    """The run's :class:`ResolvedRun`: the token budget's steps (a new run with
+    ``run.tokens_per_parameter``; a resume keeps its recorded steps) and the pinned model shape.
+
+    Raises:
+        ConfigError: ``model.vocab_size`` below the tokenizer's, or a budget over the step limit.
+    """
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
+        raise ConfigError([f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
+                           f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"])
+    if cfg.run.tokens_per_parameter is None or rs is not None:
+        return ResolvedRun.resolve(cfg)
+    from ray_diloco.models.transformer import budget_steps
+
+    steps = budget_steps(cfg, corpus.vocab_size, model_fn)
+    print(f"run.steps = {steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "
+          f"parameters / (inner.global_batch x data.seq_len)", file=sys.stderr)
+    return ResolvedRun.resolve(cfg, steps)
+
+
+def _check_corpus(cfg: Config, corpus: Corpus, run_dir: Path, rs: dict[str, Any] | None) -> None:
+    """Every data shard holds at least one batch; a resume reads the corpus it was trained on.
+
+    Raises:
+        DataError: too little text for the shards. CheckpointError: another corpus on resume.
+    """
+    per_shard = num_train_windows(len(corpus.train), cfg.data.seq_len) // cfg.num_shards
+    if per_shard < cfg.batch_per_worker:
+        raise DataError(f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
+                        f"tokens per shard, fewer than one batch of {cfg.batch_per_worker} "
+                        f"(inner.global_batch / (diloco.replicas x diloco.workers_per_replica)); use more text")
+    if rs is not None and rs.get("corpus_fingerprint") != corpus.fingerprint:
+        raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
+
+
+def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
+    """Check the cluster, then create and lock the run directory (the lock is returned, held until
+    this process ends), write a new run's ``config.yaml`` and tokenizer, and set up the mirror.
+
+    Raises:
+        ClusterError: the cluster cannot host the workers (before anything is written).
+        CheckpointError: another run started in the same directory at the same time.
+    """
+    run, run_dir, corpus = trainer.cfg, trainer.run_dir, trainer.corpus
+    check_resources(run)  # before the run directory is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_run_dir(run_dir)
+    if fresh and any(p.name != ".lock" for p in run_dir.iterdir()):
+        lock.close()
+        raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
+    remove_partial_checkpoints(run_dir)
+    if fresh:  # a resume rewrites it (with its --set changes) only once it has started
+        write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
+    tok_dir = run_dir / "tokenizer"
+    if corpus.tokenizer is not None and not tok_dir.exists():
+        corpus.tokenizer.save_pretrained(str(tok_dir))
+    if is_uri(run.run.storage_path):
+        trainer.mirror = Mirror(run_dir, run.run.storage_path)
+        print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
+              file=sys.stderr)
+    return lock
+
+
+def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | None) -> dict[str, Any]:
+    """Export the global model to ``RUN_DIR/final`` and return the run's summary."""
+    run, st, run_dir = trainer.cfg, trainer.state, trainer.run_dir
+    export_dir = export_model(run, trainer.global_params(), trainer.corpus.vocab_size, trainer.corpus.tokenizer,
+                              run_dir / "final", trainer.model_fn, trainer.fragments)
+    return {
+        "final_eval_loss": st.last_eval,
+        "evals": st.evals,
+        "algorithm": run.algorithm,
+        "replicas": run.diloco.replicas,
+        "workers_per_replica": run.diloco.workers_per_replica,
+        "H": run.diloco.H,
+        "num_parameters": trainer.num_params,
+        "tokens": st.tokens,
+        "inner_steps": st.inner_step,
+        "outer_steps": st.outer_step,
+        "wall_s": timing["wall_s"],
+        "inner_compute_s": timing["inner_compute_s"],
+        "outer_wait_s": timing["outer_wait_s"],
+        "tokens_per_s": (st.tokens - (rs["counters"]["tokens"] if rs else 0)) / timing["wall_s"]
+        if timing["wall_s"] > 0 else None,
+        "bytes_sent": st.bytes_sent,
+        "bytes_received": st.bytes_received,
+        "communication": communication_summary(trainer.num_params, st.inner_step, strategy_class(run).link_ranks(run),
+                                               st.bytes_sent, st.bytes_received, st.peak_sync_bytes),
+        "compute_utilisation": st.inner_compute_s / st.train_wall_s if st.train_wall_s > 0 else None,
+        "sync_wait_s": st.sync_wait_s,
+        "fragments": trainer.num_fragments,
+        "membership": dict(st.membership),
+        "replicas_live": len(trainer.replicas),
+        "run_dir": str(run_dir),
+        "storage_uri": trainer.mirror.uri if trainer.mirror is not None else None,
+        "export_dir": str(export_dir),
+        "config": run.to_dict(),
+    }
+
+
+__all__ = ["train", "prepare", "ResolvedRun"]

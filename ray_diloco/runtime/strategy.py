@@ -1,0 +1,324 @@
+"""How the replicas synchronise: DiLoCo or the data-parallel baseline, behind one interface.
+
+This is the one module that reads ``algorithm``. The outer-step loop (``runtime/trainer.py``),
+the supervisor and the cluster code talk to a :class:`SyncStrategy` and never ask which
+algorithm runs:
+
+- :class:`DiLoCoSync` (DiLoCo, arXiv 2311.08105, Algorithm 1; Streaming DiLoCo, arXiv
+  2501.18512, section 2): M replicas of W workers, each its own DDP group; an outer-optimiser
+  driver actor (``runtime/driver.py``) holds the global parameters; the workers sync fragments
+  on the pure :class:`~ray_diloco.core.schedules.SyncSchedule`; replica failures are survived
+  (``runtime/membership.py``).
+- :class:`DataParallelSync`: one DDP group over all M x W workers, no outer step, no driver;
+  the global parameters are rank 0's parameters; the first failure ends the run.
+
+Both give the trainer the same things: the global parameters (for eval and export), the
+sync state for checkpoints, per-outer-step metric fields, and the accounting of bytes on the
+slow link.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ray_diloco.config import Config, check_overlap
+from ray_diloco.core.schedules import SyncSchedule
+
+#: ``(replica id, slot, join step, workers, placement strategy)`` of one placement group.
+Layout = list[tuple[int, int, int, int, str]]
+
+
+class SyncStrategy:
+    """The interface; see the module docstring. Subclasses set the class facts and override the
+    life-cycle methods they need (the defaults do nothing)."""
+
+    name: ClassVar[str]
+    #: A failed replica is removed and the run goes on (True), or the run fails (False).
+    elastic: ClassVar[bool]
+    #: Gradients are all-reduced every inner step (no outer step): what the simulator models.
+    all_reduces_every_step: ClassVar[bool]
+    driver: Any = None  # the outer-optimiser actor handle, when there is one
+    schedule: SyncSchedule | None = None  # when each fragment syncs, when there is an exchange
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    # -- facts from the config (no Ray) -------------------------------------------------------
+    @staticmethod
+    def layout(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> Layout:
+        """The placement groups to start (``members``: restored ``(replica id, slot, join step)``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def allreduce_emulation(cfg: Config) -> bool:
+        """Whether the workers' DDP all-reduce sleeps the emulated WAN time (``network.*``)."""
+        return False
+
+    @staticmethod
+    def workers(cfg: Config) -> int:
+        """Workers started (each takes ``diloco.cpus_per_worker`` CPUs)."""
+        return cfg.diloco.replicas * cfg.diloco.workers_per_replica
+
+    @staticmethod
+    def link_ranks(cfg: Config) -> int:
+        """Processes whose traffic crosses the slow link (the communication summary's R)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def reported_replicas(cfg: Config) -> int:
+        """Replicas as a sweep's trial table reports them (0: the baseline has none)."""
+        return cfg.diloco.replicas
+
+    def header(self, target: int) -> list[str]:
+        """The start-up lines describing the run's shape."""
+        raise NotImplementedError
+
+    def check_fragments(self, num_fragments: int) -> list[str]:
+        """Problems with the fragment count found once the model is built (ConfigError lines)."""
+        return []
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def launch(self, members: list[tuple[int, int, int]] | None) -> None:
+        """Before the replicas start (DiLoCo: the driver's process starts meanwhile)."""
+
+    def attach(self, trainer: Any, resume_state: dict[str, Any] | None) -> None:
+        """After the replicas started: the global parameters into every worker, the saved sync
+        state restored."""
+
+    def ping(self) -> Any | None:
+        """An object ref that resolves while the sync side is alive (None: nothing to watch)."""
+        return None
+
+    def straggler_s(self) -> float | None:
+        """Seconds a replica may lag the first one to finish an outer step (None: wait)."""
+        return None
+
+    def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
+        """The metrics of the ranks whose bytes cross the slow link, and the tokens trained in
+        inner steps ``[start, end)``."""
+        raise NotImplementedError
+
+    def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
+        """Add the outer step's sync fields (update norms, membership events) to ``row``."""
+
+    def final_fields(self, trainer: Any, row: dict[str, Any]) -> None:
+        """Fields added last to an outer step's row."""
+
+    def settle(self, supervisor: Any) -> None:
+        """Wait until every sync sent so far is answered."""
+
+    def eval_globals(self) -> list[Any] | None:
+        """Object refs of the global fragments for workers to evaluate (None: their own parameters)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The sync side's state for a checkpoint (``"outer"``)."""
+        return None
+
+    def global_params(self, trainer: Any) -> list[np.ndarray]:
+        """The global parameters, fp32 ``[numel_p]`` per fragment."""
+        raise NotImplementedError
+
+    def state_hashes(self) -> dict[str, str]:
+        """sha256 of the sync side's state (``run.log_hashes``)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Stop what :meth:`launch` started."""
+
+
+class DiLoCoSync(SyncStrategy):
+    """DiLoCo and Streaming DiLoCo through the outer-optimiser driver actor."""
+
+    name = "diloco"
+    elastic = True
+    all_reduces_every_step = False
+
+    @staticmethod
+    def layout(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> Layout:
+        from ray_diloco.runtime.cluster import initial_members
+
+        return [(m, slot, j, cfg.diloco.workers_per_replica, "STRICT_PACK") for m, slot, j in initial_members(cfg, members)]
+
+    @staticmethod
+    def workers(cfg: Config) -> int:
+        return cfg.num_shards  # every slot's workers: replacements and joiners take free slots
+
+    @staticmethod
+    def link_ranks(cfg: Config) -> int:
+        return cfg.diloco.replicas  # each replica's rank 0 talks to the driver
+
+    def header(self, target: int) -> list[str]:
+        c = self.cfg
+        lines = [f"M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), H={c.diloco.H}, "
+                 f"{c.run.steps} inner steps ({c.num_outer_steps} outer)"]
+        if c.diloco.min_replicas > 1 or target > c.diloco.replicas:
+            lines.append(f"elastic: quorum {c.diloco.min_replicas}, up to {target} replicas, "
+                         f"sync timeout {c.diloco.sync_timeout_s:g} s")
+        return lines
+
+    def check_fragments(self, num_fragments: int) -> list[str]:
+        problems: list[str] = []
+        check_overlap(self.cfg.diloco.H, num_fragments, self.cfg.streaming.overlap_steps, problems)
+        return problems
+
+    def launch(self, members: list[tuple[int, int, int]] | None) -> None:
+        from ray_diloco.runtime.cluster import initial_members
+        from ray_diloco.runtime.driver import OuterDriverActor
+
+        joins = {m: j for m, _, j in initial_members(self.cfg, members)}
+        self.driver = OuterDriverActor.remote(None, self.cfg.to_dict(), joins)
+
+    def attach(self, trainer: Any, resume_state: dict[str, Any] | None) -> None:
+        """The global parameters start as rank 0's initialisation (identical in every worker),
+        or the checkpoint's; every worker gets them and the schedule."""
+        import ray
+
+        from ray_diloco.runtime.cluster import all_workers
+
+        c, rs = self.cfg, resume_state
+        self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
+                                     c.streaming.closing_round)
+        w0 = trainer.replicas[0].rank0
+        initial = rs["outer"]["global"] if rs is not None else \
+            ray.get([w0.local_fragment.remote(p) for p in range(trainer.num_fragments)])
+        ray.get(self.driver.init_global.remote(initial))
+        trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
+        if rs is not None:
+            ray.get(self.driver.load_state_dict.remote(rs["outer"]))
+        workers = all_workers(trainer.replicas)
+        ray.get([w.attach.remote(self.driver, self.schedule) for w in workers])
+        globals_ = ray.get(self.driver.global_refs.remote())
+        versions = ray.get(self.driver.global_versions.remote())
+        ray.get([w.load_global.remote(p, g, versions[p]) for p, g in enumerate(globals_) for w in workers])
+
+    def ping(self) -> Any:
+        return self.driver.ping.remote()
+
+    def straggler_s(self) -> float:
+        return self.cfg.diloco.sync_timeout_s
+
+    def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
+        rank0 = [mtr for mtr in metrics if mtr["rank"] == 0]
+        return rank0, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
+
+    def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
+        """Rounds merged by the end of this outer step (apply step = min(send + tau, T)): update
+        norm, per-replica pseudo-gradient norms, bytes per fragment; then membership events."""
+        import ray
+
+        trainer.members.note_positions(metrics)
+        merged_by = end if end >= self.cfg.run.steps else end - self.schedule.overlap
+        rounds = ray.get(self.driver.take_stats.remote(merged_by))
+        if rounds:
+            row.update(round_fields(rounds))
+        events = trainer.members.take_events() + ray.get(self.driver.take_events.remote())
+        trainer.supervisor.record_events(events, trainer.state, row)
+        row["replicas_target"] = trainer.members.target
+        row["membership"] = dict(trainer.state.membership)
+        if events:
+            row["events"] = events
+
+    def final_fields(self, trainer: Any, row: dict[str, Any]) -> None:
+        row["replicas_live"] = len(trainer.replicas)  # after this step's deaths
+
+    def settle(self, supervisor: Any) -> None:
+        supervisor.gather({w.settle.remote(): r for r in list(supervisor.replicas) for w in r.workers})
+
+    def eval_globals(self) -> list[Any]:
+        import ray
+
+        return ray.get(self.driver.global_refs.remote())
+
+    def state_dict(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.driver.state_dict.remote())
+
+    def global_params(self, trainer: Any) -> list[np.ndarray]:
+        import ray
+
+        return ray.get(self.driver.global_params.remote())
+
+    def state_hashes(self) -> dict[str, str]:
+        import ray
+
+        return ray.get(self.driver.state_hash.remote())
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.driver is not None:
+            ray.kill(self.driver)
+        self.driver = None
+
+
+class DataParallelSync(SyncStrategy):
+    """The data-parallel baseline: one DDP group over every worker, the same workers, data,
+    inner optimiser and schedule as DiLoCo; H only sets the metrics and checkpoint round."""
+
+    name = "dp"
+    elastic = False
+    all_reduces_every_step = True
+
+    @staticmethod
+    def layout(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> Layout:
+        return [(0, 0, 0, cfg.num_shards, "PACK")]
+
+    @staticmethod
+    def allreduce_emulation(cfg: Config) -> bool:
+        return bool(cfg.network.bandwidth_gbps or cfg.network.latency_ms)
+
+    @staticmethod
+    def link_ranks(cfg: Config) -> int:
+        return cfg.num_shards  # every rank takes part in the all-reduce
+
+    @staticmethod
+    def reported_replicas(cfg: Config) -> int:
+        return 0
+
+    def header(self, target: int) -> list[str]:
+        c = self.cfg
+        return [f"DDP over {c.diloco.replicas * c.diloco.workers_per_replica} worker(s), {c.run.steps} inner steps "
+                f"(metrics every {c.diloco.H}: {c.num_outer_steps} rounds)"]
+
+    def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
+        return metrics, (end - start) * self.cfg.inner.global_batch * self.cfg.data.seq_len  # one group, one batch
+
+    def global_params(self, trainer: Any) -> list[np.ndarray]:
+        import ray
+
+        w0 = trainer.replicas[0].rank0
+        return ray.get([w0.local_fragment.remote(p) for p in range(trainer.num_fragments)])
+
+
+def round_fields(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metric fields of the fragment syncs completed in one outer step (the driver's
+    ``take_stats`` rows): the outer update's norm, each replica's pseudo-gradient norm over
+    every fragment, the number of syncs, and up + down bytes (all replicas) per fragment."""
+    sq: dict[int, float] = {}
+    per_fragment: dict[str, int] = {}
+    for r in rounds:
+        for m, v in r["delta_norms"].items():
+            sq[m] = sq.get(m, 0.0) + v * v
+        key = f"fragment_{r['fragment']}"
+        per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
+    return {"outer_update_norm": float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds))),
+            "pseudo_grad_norm": {f"replica_{m}": float(np.sqrt(v)) for m, v in sorted(sq.items())},
+            "fragment_syncs": len(rounds),
+            "sync_bytes_fragment": per_fragment}
+
+
+STRATEGIES: dict[str, type[SyncStrategy]] = {"diloco": DiLoCoSync, "dp": DataParallelSync}
+
+
+def strategy_class(cfg: Config) -> type[SyncStrategy]:
+    """The strategy of ``cfg.algorithm`` (validated by the config: one of :data:`STRATEGIES`)."""
+    return STRATEGIES[cfg.algorithm]
+
+
+def make_strategy(cfg: Config) -> SyncStrategy:
+    """A new strategy object for a run."""
+    return strategy_class(cfg)(cfg)

@@ -1,0 +1,208 @@
+"""The supervisor: gathers what the replica workers return, and acts on failures and membership.
+
+Everything the trainer asks of the workers goes through :meth:`Supervisor.gather`. When the
+sync strategy is elastic (DiLoCo), a replica whose call fails (actor or node death, a
+process-group error inside it) or that falls behind the others by ``diloco.sync_timeout_s`` is
+removed at once (:meth:`~ray_diloco.runtime.membership.Membership.lose`), so the driver stops
+waiting for it and the round completes with the survivors (DiLoCo, arXiv 2311.08105, section 3);
+otherwise (the DP baseline) the first failure raises. Between outer steps,
+:meth:`Supervisor.at_boundary` admits replicas that finished starting, requests replacements or
+a scale-up, and waits when none is left (the rules themselves are in ``runtime/membership.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray_diloco.config import Config
+from ray_diloco.errors import ClusterError
+from ray_diloco.runtime.cluster import Replica, all_workers, error_cause
+from ray_diloco.runtime.membership import Membership, read_scale
+from ray_diloco.runtime.strategy import SyncStrategy
+
+
+def describe_event(ev: dict[str, Any]) -> str:
+    """One log line for a membership event."""
+    info = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "replica", "time"))
+    who = "" if ev.get("replica") is None else f"replica {ev['replica']} "
+    return f"{who}{ev['event']}" + (f" ({info})" if info else "")
+
+
+class Supervisor:
+    """Calls on the live workers, with failure handling and membership at outer-step boundaries.
+
+    Args:
+        cfg: the run config. run_dir: where ``scale`` requests are read from.
+        sync: the run's sync strategy (its driver is pinged while waiting; it says whether
+            failures are survived). members: the replicas' membership (``members.live`` is the
+            list of live replicas, shared with the trainer). log: where messages go.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership,
+                 log: Callable[[str], None]):
+        self.cfg, self.run_dir, self.sync, self.members, self.log = cfg, run_dir, sync, members, log
+        self.slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The live replicas (the same list object as ``members.live``)."""
+        return self.members.live
+
+    # -- results ---------------------------------------------------------------------------
+    def gather(self, calls: dict[Any, Replica], straggler_s: float | None = None) -> list[Any]:
+        """Results of the remote ``calls`` (object ref -> the replica it runs on), in call order.
+
+        Elastic: a replica whose call fails is removed and its other calls are dropped. With
+        ``straggler_s``, replicas still running that many seconds after the first one finished
+        are removed as unresponsive; so are all of them when none finished within twice the
+        slowest outer step so far plus ``straggler_s`` (every replica frozen). Not elastic: the
+        first failure raises.
+
+        Raises:
+            ClusterError: the sync side (driver) stopped answering for ``diloco.sync_timeout_s``.
+            ray.exceptions.RayError: a call failed and the strategy is not elastic.
+        """
+        import ray
+
+        order = list(calls)
+        results: dict[Any, Any] = {}
+        pending = dict(calls)
+        first_done = None
+        t0 = time.monotonic()
+        watch = _Watchdog(self.sync, self.cfg.diloco.sync_timeout_s)
+        while pending:
+            watch.check()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
+            for ref in ready:
+                r = pending.pop(ref, None)
+                if r is None:
+                    continue
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    if not self.sync.elastic:
+                        raise
+                    self.lose(r, error_cause(e))
+                    for other in [x for x, rr in pending.items() if rr is r]:
+                        pending.pop(other)
+            if ready and first_done is None:
+                first_done = time.monotonic()
+            stuck = self._stuck(straggler_s, first_done, t0)
+            if stuck is not None:
+                for r in {id(rr): rr for rr in pending.values()}.values():
+                    self.lose(r, f"unresponsive: {stuck}")
+                pending = {}
+            if self.sync.elastic:
+                self.members.poll()
+        return [results[ref] for ref in order if ref in results]
+
+    def _stuck(self, straggler_s: float | None, first_done: float | None, t0: float) -> str | None:
+        """Why the replicas still running are to be removed as unresponsive, or None."""
+        if straggler_s is None:
+            return None
+        now = time.monotonic()
+        if first_done is not None and now - first_done > straggler_s:
+            return (f"still training {straggler_s:g} s after the other replicas finished the outer step "
+                    "(diloco.sync_timeout_s)")
+        if first_done is None and self.slowest_round is not None and now - t0 > 2 * self.slowest_round + straggler_s:
+            return (f"no replica finished the outer step within {2 * self.slowest_round + straggler_s:.0f} s "
+                    "(twice the slowest one so far + diloco.sync_timeout_s)")
+        return None
+
+    def on_live(self, method: str, args_of: Any) -> dict[tuple[int, int], Any]:
+        """Call ``method(*args_of(replica, rank, i, n))`` on every live worker (``i``: position in
+        the flat worker list of ``n``, ``args_of`` returns None to skip a worker); a replica lost
+        meanwhile makes the whole call start again with the survivors. Returns
+        ``{(id, rank): result}``."""
+        while True:
+            live = list(self.replicas)
+            n = len(all_workers(live))
+            calls, keys = {}, {}
+            i = 0
+            for r in live:
+                for rank, w in enumerate(r.workers):
+                    args = args_of(r, rank, i, n)
+                    i += 1
+                    if args is None:
+                        continue
+                    ref = getattr(w, method).remote(*args)
+                    calls[ref], keys[ref] = r, (r.index, rank)
+            results = self.gather(calls)
+            if [r.index for r in self.replicas] == [r.index for r in live]:
+                return dict(zip([keys[ref] for ref in calls], results))
+
+    def settle(self) -> None:
+        """Wait until every sync sent so far is answered (before eval, checkpoint or export); a
+        replica that fails meanwhile is removed (elastic) or raises."""
+        self.sync.settle(self)
+
+    # -- failures and membership -------------------------------------------------------------
+    def lose(self, r: Replica, reason: str) -> None:
+        """A replica failed: check the driver is alive, then remove the replica."""
+        self.log(f"replica {r.index} failed: {reason}")
+        self.members.lose(r, reason)
+
+    def at_boundary(self, step: int) -> None:
+        """At an outer-step boundary (elastic only): admit replicas that finished starting,
+        request replacements (or scale-up) for missing ones, and wait
+        (``diloco.placement_timeout_s``) when no replica is left."""
+        if not self.sync.elastic:
+            return
+        m = self.members
+        wanted = read_scale(self.run_dir, self.cfg)
+        if wanted is not None:
+            leaving = m.set_target(wanted)
+            if leaving:
+                self.settle()
+                for r in leaving:
+                    m.lose(r, f"scaled down to {wanted} replica(s)", kind="leave")
+        m.admit(m.poll(), step, self.settle)
+        m.top_up()
+        deadline = time.monotonic() + self.cfg.diloco.placement_timeout_s
+        while not m.live:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"diloco.placement_timeout_s = {self.cfg.diloco.placement_timeout_s:g}: no replica "
+                                   "is alive and none could be started again in time")
+            time.sleep(0.2)
+            m.admit(m.poll(), step, self.settle)
+
+    def record_events(self, events: list[dict[str, Any]], state: Any, row: dict[str, Any]) -> None:
+        """Count membership events into ``state.membership`` and log them (failed sync rounds:
+        one line per outer step ``row`` reports)."""
+        failed = [ev for ev in events if ev["event"] == "round_failed"]
+        for ev in events:
+            state.membership[ev["event"]] = state.membership.get(ev["event"], 0) + 1
+            if ev["event"] not in ("launch", "round_failed"):
+                self.log(f"membership: {describe_event(ev)}")
+        if failed:  # one line per outer step: with a small H these come every step
+            self.log(f"membership: {len(failed)} sync round(s) failed in outer step {row['outer_step']} (the last: "
+                     f"{describe_event(failed[-1])})")
+
+
+class _Watchdog:
+    """Pings the sync side while the supervisor waits: a frozen driver would stall every replica."""
+
+    def __init__(self, sync: SyncStrategy, timeout_s: float):
+        self.sync, self.timeout_s = sync, timeout_s
+        self.ping: Any = None
+        self.sent = time.monotonic()
+
+    def check(self) -> None:
+        """Send a ping when none is in flight; raise when one has gone unanswered too long.
+
+        Raises:
+            ClusterError: no answer for ``timeout_s`` seconds.
+        """
+        import ray
+
+        if self.ping is None:
+            self.ping, self.sent = self.sync.ping(), time.monotonic()
+        elif ray.wait([self.ping], timeout=0)[0]:
+            self.ping = None
+        elif time.monotonic() - self.sent > self.timeout_s:
+            raise ClusterError(f"the outer-optimiser driver has not answered for {self.timeout_s:g} s "
+                               "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
+                               "last checkpoint")
