@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+from typing import Any
 
 from ray_diloco.errors import RayDilocoError
 
@@ -24,7 +25,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ray-diloco", description="DiLoCo training of language models on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_add_run_commands, _add_plan_command, _add_law_commands, _add_simulate_command, _add_tune_commands):
+        add(sub)
+    return ap
 
+
+def _add_run_commands(sub: Any) -> None:
+    """train, eval, generate, config."""
     t = sub.add_parser("train", help="train with DiLoCo (or the DP baseline) and export the global model")
     _add_config_args(t)
     t.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its newest checkpoint")
@@ -46,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved config as YAML (after --config and --set)")
     _add_config_args(c)
 
+
+def _add_plan_command(sub: Any) -> None:
     pl = sub.add_parser("plan", help="fragments, sync steps and bytes per replica of a run, from its config")
     pl.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
                     help="YAML file or preset name (default: the built-in defaults)")
@@ -61,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="link between replicas (default: network.bandwidth_gbps, else the bandwidth per target)")
     pl.add_argument("--latency-ms", type=float, default=None, help="latency per message (default: network.latency_ms)")
 
+
+def _add_law_commands(sub: Any) -> None:
+    """fit, predict."""
     fi = sub.add_parser("fit", help="scaling laws from a sweep: power laws, joint forms, optimal lr/batch/outer lr, plots")
     fi.add_argument("table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet")
     fi.add_argument("--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)")
@@ -78,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(the published Scaling Laws for DiLoCo fits; default)")
     pr.add_argument("--json", default=None, metavar="PATH", help="also write the prediction as JSON")
 
+
+def _add_simulate_command(sub: Any) -> None:
     si = sub.add_parser("simulate", help="compute utilisation vs bandwidth of DP, DiLoCo and Streaming DiLoCo")
     si.add_argument("--paper-table", action="store_true",
                     help="the papers' configurations (1B/10B/100B, five methods) beside the published bandwidths")
@@ -100,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--plot", default=None, metavar="PNG", help="also plot utilisation vs bandwidth")
     si.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
 
+
+def _add_tune_commands(sub: Any) -> None:
+    """tune, scale."""
     tu = sub.add_parser("tune", help="a Ray Tune sweep: every trial is a full run with its own replicas")
     tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in README)")
     tu.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -121,7 +138,6 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("run_dir", metavar="RUN_DIR")
     sc.add_argument("--replicas", type=int, required=True,
                     help="replicas from the next outer step on: more start when the cluster has room, extra ones leave")
-    return ap
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
