@@ -1,0 +1,115 @@
+"""The package keeps the shape a newcomer can find their way in (issue 13): layers import only
+from the layers below them, nothing imports in a cycle, no function over 80 lines or class over
+300, the algorithm is read only where the sync strategy is picked, and the config loads without
+torch or Ray."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from conftest import ROOT
+
+PKG = ROOT / "ray_diloco"
+#: Each layer may import from itself and the layers below it: errors < config (typed, no torch, no Ray)
+#: < core (pure algorithm) < models < components < runtime (Ray) < tune, analysis < cli.
+LAYERS = ["cli", "tune", "analysis", "runtime", "components", "models", "core", "config", "errors"]
+BELOW = {
+    "cli": set(LAYERS),
+    "tune": {"tune", "runtime", "components", "models", "config", "core", "errors"},
+    "analysis": {"analysis", "runtime", "components", "models", "config", "core", "errors"},
+    "runtime": {"runtime", "components", "models", "config", "core", "errors"},
+    "components": {"components", "models", "config", "core", "errors"},
+    "models": {"models", "config", "core", "errors"},
+    "core": {"core", "config", "errors"},
+    "config": {"config", "errors"},
+    "errors": {"errors"},
+}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        layer = rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" else "__init__"
+        yield path, layer, ast.parse(path.read_text())
+
+
+def _imports(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ray_diloco"):
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("ray_diloco"))
+
+
+def test_layers_import_only_from_the_layers_below():
+    bad = []
+    for path, layer, tree in _modules():
+        if layer == "__init__":
+            continue
+        for mod in _imports(tree):
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 else "__init__"
+            if target not in BELOW[layer]:
+                bad.append(f"{path.relative_to(ROOT)} ({layer}) imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_level_import_cycle():
+    graph = {}
+    for path, _, tree in _modules():
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        deps = set()
+        for node in tree.body:  # module level only: function-local imports do not run at import time
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ray_diloco"):
+                deps.add(node.module)
+        graph[name] = deps
+    seen, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+        if n in seen or n not in graph:
+            return
+        stack.append(n)
+        for d in sorted(graph[n]):
+            visit(d)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(graph):
+        visit(n)
+
+
+def test_no_function_over_80_lines_and_no_class_over_300():
+    big = []
+    for path, _, tree in _modules():
+        for node in ast.walk(tree):
+            limit = 300 if isinstance(node, ast.ClassDef) else 80
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines (limit {limit})")
+    assert not big, "\n".join(big)
+
+
+def test_only_the_strategy_and_the_config_read_the_algorithm():
+    allowed = {PKG / "runtime" / "strategy.py"} | set((PKG / "config").glob("*.py"))
+    hits = []
+    for path, _, tree in _modules():
+        if path in allowed:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(x, ast.Attribute) and x.attr == "algorithm" for x in [node.left, *node.comparators]):
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not hits, "algorithm branches outside runtime/strategy.py and config/: " + ", ".join(hits)
+
+
+def test_load_config_imports_neither_torch_nor_ray():
+    code = ("import sys; from ray_diloco.config import load_config; load_config(); "
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
