@@ -31,8 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ray_diloco.config.schema import QUANTIZATION_FORMATS
+
 BLOCK = 256
-FORMATS = ("none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0")
+# the config's streaming.quantization choices; a format's id on the wire is its index here
+FORMATS = QUANTIZATION_FORMATS
 _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
