@@ -150,7 +150,10 @@ def test_fsspec_memory_filesystem_and_bad_uris(tmp_path):
 
 def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monkeypatch):
     """tracking.log_model: the exported model directory becomes an artifact of type "model" in
-    the (offline) W&B run, with the final loss in its metadata."""
+    the (offline) W&B run, with the final loss in its metadata. The log is read right after
+    finish(): Tracker.finish returns only once W&B has written it (wandb-core writes a run's
+    log when its stream closes, after run.finish() has returned: read then, it could be the
+    7-byte header alone, which failed this test in a full run)."""
     from wandb_records import records
 
     from ray_diloco.components.tracking import Tracker
@@ -164,6 +167,7 @@ def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monk
     t.log({"outer_step": 1, "inner_step": 1, "train_loss": 1.5})
     t.finish({"final_eval_loss": 1.25, "export_dir": str(final), "num_parameters": 7})
     recs = records(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    assert recs and recs[-1].WhichOneof("record_type") == "exit"  # the whole log, through the exit record
     arts = [r.artifact for r in recs if r.WhichOneof("record_type") == "artifact"]
     assert [(a.type, a.name) for a in arts] == [("model", "model-" + tmp_path.name)]
     assert json.loads(arts[0].metadata)["final_eval_loss"] == 1.25

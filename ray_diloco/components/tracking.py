@@ -183,8 +183,34 @@ class Tracker:
                     art.add_dir(summary["export_dir"])
                     self.wandb_run.log_artifact(art)
                 self.wandb_run.finish()
+                _wait_for_wandb_files()
             except Exception as e:
                 print(f"warning: W&B finish failed ({type(e).__name__})", file=sys.stderr)
+
+
+def _wait_for_wandb_files() -> None:
+    """Return once W&B has written the finished run's files (the ``.wandb`` log in ``run_dir``).
+
+    ``run.finish()`` returns when wandb-core has *processed* the run's last records, not when it
+    has written them: the core buffers the run's ``.wandb`` transaction log and flushes and
+    closes it when the run's stream closes, which ``finish()`` only requests (a message with no
+    reply) on its way out. Right after ``finish()`` the offline log of a short run can still be
+    its 7-byte header alone; its history, summary and model artifact land a moment later (much
+    later on a loaded machine). ``wandb.teardown()`` waits for the core process to close every
+    stream and exit, so the log is complete when :meth:`Tracker.finish` returns and the launcher
+    writes ``summary.json`` after it ("a finished run, W&B included"); the next ``wandb.init`` in
+    this process starts a new core. Skipped while another W&B run of this process is still open
+    (``wandb.run``): teardown would finish that one too (this log is then completed when its
+    stream closes).
+    """
+    import wandb
+
+    if wandb.run is not None:
+        return
+    try:
+        wandb.teardown()
+    except SystemExit as e:  # teardown exits the process when wandb-core itself exited non-zero
+        raise RuntimeError(f"wandb-core exited with code {e.code}") from None
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
