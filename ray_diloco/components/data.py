@@ -258,12 +258,22 @@ def epoch_permutation(seed: int, epoch: int, n_windows: int) -> np.ndarray:
 class ShardReader:
     """Reads batches of packed windows for one shard (one (replica, rank) pair).
 
+    ``tokens`` is a 1-D token array or a :class:`~ray_diloco.components.token_store.TokenSplit`
+    (anything with ``len`` and contiguous slices). Its ``order`` attribute picks the window order:
+    ``legacy`` (default for arrays: the epoch's ``numpy`` permutation of every window, shard ``s``
+    reads ``perm[s::S]``) or ``feistel`` (prepared stores: window ``perm(pos * S + s)`` of a keyed
+    Feistel permutation computed per index, nothing of the corpus's size is built). Both give
+    every shard disjoint windows within an epoch.
+
     ``next_batch(b)`` returns ``(x, y, idx)``: ``x``/``y`` int64 tensors ``[b, seq_len]``
     (``y`` is ``x`` shifted by one token) and ``idx`` an int64 array ``[b, 2]`` of
     ``(epoch, window)`` pairs. ``state()``/``load_state()`` give the resumable read position.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, shard: int, num_shards: int, seed: int):
+    #: Batches whose windows are prefetched ahead of the cursor (remote stores).
+    PREFETCH_BATCHES = 4
+
+    def __init__(self, tokens: Any, seq_len: int, shard: int, num_shards: int, seed: int):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in [0, {num_shards})")
         self.tokens = tokens
@@ -271,6 +281,7 @@ class ShardReader:
         self.shard = shard
         self.num_shards = num_shards
         self.seed = seed
+        self.order = getattr(tokens, "order", "legacy")
         self.n_windows = num_train_windows(len(tokens), seq_len)
         self.per_shard = self.n_windows // num_shards
         if self.per_shard < 1:
@@ -280,26 +291,54 @@ class ShardReader:
             )
         self.epoch = 0
         self.pos = 0
-        self._cache: tuple[int, np.ndarray, int] | None = None
+        self._cache: tuple[int, Any, int] | None = None
 
-    def _epoch_plan(self, epoch: int) -> tuple[np.ndarray, int]:
+    def _epoch_plan(self, epoch: int) -> tuple[Any, int]:
+        """The epoch's windows of this shard (an array, or a Feistel permutation) and grid offset."""
         if self._cache is None or self._cache[0] != epoch:
-            perm = epoch_permutation(self.seed, epoch, self.n_windows)
-            mine = perm[self.shard :: self.num_shards][: self.per_shard]
-            self._cache = (epoch, mine, epoch_offset(self.seed, epoch, self.seq_len))
+            if self.order == "feistel":
+                from ray_diloco.components.permutation import FeistelPermutation
+
+                plan: Any = FeistelPermutation(self.per_shard * self.num_shards, self.seed, epoch)
+            else:
+                perm = epoch_permutation(self.seed, epoch, self.n_windows)
+                plan = perm[self.shard :: self.num_shards][: self.per_shard]
+            self._cache = (epoch, plan, epoch_offset(self.seed, epoch, self.seq_len))
         return self._cache[1], self._cache[2]
+
+    def _windows(self, epoch: int, pos: np.ndarray) -> np.ndarray:
+        plan, _ = self._epoch_plan(epoch)
+        if self.order == "feistel":
+            return plan(pos * self.num_shards + self.shard)
+        return plan[pos]
+
+    def peek_indices(self, batch: int, epoch: int | None = None, pos: int | None = None) -> np.ndarray:
+        """The ``batch`` ``(epoch, window)`` pairs from position ``(epoch, pos)`` (default: the
+        current one), int64 ``[batch, 2]``, without moving the read position."""
+        epoch, pos = (self.epoch, self.pos) if epoch is None else (epoch, pos)
+        out = np.empty((batch, 2), dtype=np.int64)
+        k = 0
+        while k < batch:
+            if pos >= self.per_shard:
+                epoch, pos = epoch + 1, 0
+            take = min(batch - k, self.per_shard - pos)
+            out[k : k + take, 0] = epoch
+            out[k : k + take, 1] = self._windows(epoch, np.arange(pos, pos + take, dtype=np.int64))
+            k, pos = k + take, pos + take
+        return out
 
     def next_indices(self, batch: int) -> np.ndarray:
         """The next ``batch`` ``(epoch, window)`` pairs, advancing the read position."""
-        out = np.empty((batch, 2), dtype=np.int64)
-        for k in range(batch):
+        out = self.peek_indices(batch)
+        for _ in range(batch):
             if self.pos >= self.per_shard:
                 self.epoch += 1
                 self.pos = 0
-            mine, _ = self._epoch_plan(self.epoch)
-            out[k] = (self.epoch, mine[self.pos])
             self.pos += 1
         return out
+
+    def _start(self, epoch: int, w: int) -> int:
+        return self._epoch_plan(epoch)[1] + w * self.seq_len
 
     def next_batch(self, batch: int):
         """``(x, y, idx)``: int64 ``[batch, seq_len]`` inputs and next-token targets, and the
@@ -308,11 +347,10 @@ class ShardReader:
 
         idx = self.next_indices(batch)
         T = self.seq_len
-        rows = []
-        for epoch, w in idx:
-            _, offset = self._epoch_plan(int(epoch))
-            start = offset + int(w) * T
-            rows.append(self.tokens[start : start + T + 1])
+        if hasattr(self.tokens, "prefetch"):
+            ahead = self.peek_indices(batch * self.PREFETCH_BATCHES)
+            self.tokens.prefetch([(s, s + T + 1) for s in (self._start(int(e), int(w)) for e, w in ahead)])
+        rows = [self.tokens[s : s + T + 1] for s in (self._start(int(e), int(w)) for e, w in idx)]
         arr = torch.from_numpy(np.stack(rows).astype(np.int64))
         return arr[:, :-1], arr[:, 1:], idx
 
