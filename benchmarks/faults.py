@@ -1,7 +1,7 @@
 """Recovery from replica deaths on the tiny model: how long until training goes on, how long a
 replacement takes to join, and what the faults cost in loss.
 
-Runs on a local Ray cluster, the `tiny` shape in the llama family (FFN 352: the model of README's
+Runs on a local Ray cluster, the `tiny` shape in the llama family (FFN 352: the model of docs/benchmarks.md's
 figures, measured before `tiny` became nanoGPT's GPT-2 family), M=2 replicas, H=50, the bundled corpus:
 
     fault-free      no faults (the reference loss)

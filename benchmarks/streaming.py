@@ -1,7 +1,7 @@
 """Communication and compute utilisation of DP, DiLoCo and Streaming DiLoCo over a slow link.
 
 Five runs on the same tiny model (the `tiny` shape in the llama family, FFN 352: the model of
-README's figures, measured before `tiny` became nanoGPT's GPT-2 family), data, batch (12 x 64 tokens), inner
+docs/benchmarks.md's figures, measured before `tiny` became nanoGPT's GPT-2 family), data, batch (12 x 64 tokens), inner
 optimiser and token budget, M=2 replicas x 1 worker, every replica-to-driver link (and DP's
 all-reduce) emulated at 0.1 Gbit/s with 50 ms one-way latency (``network.*``):
 
@@ -36,7 +36,7 @@ METHODS = {
 }
 
 
-MODEL = ["model.family=llama", "model.d_ff=352"]  # the llama-family tiny model README's table was measured with
+MODEL = ["model.family=llama", "model.d_ff=352"]  # the llama-family tiny model docs/benchmarks.md's table was measured with
 
 
 def run(name: str, extra: list[str], steps: int, out_dir: str, bandwidth: float, latency: float, seed: int) -> dict:

@@ -118,7 +118,7 @@ def _add_simulate_command(sub: Any) -> None:
 def _add_tune_commands(sub: Any) -> None:
     """tune, scale."""
     tu = sub.add_parser("tune", help="a Ray Tune sweep: every trial is a full run with its own replicas")
-    tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in README)")
+    tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in docs/sweeps.md)")
     tu.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="fixed config override for every trial, repeatable")
     tu.add_argument("--resume", metavar="SWEEP_DIR", default=None,

@@ -54,7 +54,7 @@ def test_the_papers_bandwidth_tables():
     """Done-when 3: every published cell of Streaming DiLoCo Table 4 and Scaling Laws Table 6 (10B)
     beside ours, in grid steps. Table 4: at least 80% exact or within one step and none more than
     three off. Table 6 (same model, 10B at 0.8 s/step): none more than three off; ours needs one
-    to three grid steps (1.2-1.8x) more bandwidth there (see README, "Simulator")."""
+    to three grid steps (1.2-1.8x) more bandwidth there (see docs/scaling-laws.md, "Simulator")."""
     rows = paper_rows()
     worst = sorted(rows, key=lambda r: -abs(r["steps_off"]))[:8]
     for r in worst:

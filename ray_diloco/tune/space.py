@@ -1,4 +1,4 @@
-"""Search spaces for Ray Tune sweeps: the YAML format (see :mod:`ray_diloco.tune.sweep` and README),
+"""Search spaces for Ray Tune sweeps: the YAML format (see :mod:`ray_diloco.tune.sweep` and docs/sweeps.md),
 its checks, and each trial's config and placement-group bundles.
 """
 

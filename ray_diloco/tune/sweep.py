@@ -1,6 +1,6 @@
 """Ray Tune sweeps: each trial is a full DiLoCo (or DP) run with its own replicas.
 
-A search space is a YAML file (``tune_spaces/*.yaml``, format in README)::
+A search space is a YAML file (``tune_spaces/*.yaml``, format in docs/sweeps.md)::
 
     description: outer lr x H on the tiny model
     config: tiny                    # base config: a preset name or a YAML path (default: built-in)
