@@ -68,6 +68,29 @@ def test_state_dict_round_trip_continues_identically():
     assert a.state_hash() == b.state_hash()
 
 
+@pytest.mark.parametrize("fmt", ["none", "int8", "fp4_e3m0"])
+def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
+    """``step`` returns no message; the driver's sequence (step, ``wire.encode_downlink`` with the
+    downlink residual, ``set_global``) leaves the optimiser on exactly what a receiver computes
+    with ``apply_downlink``, and equals the one-call mode, over steps with error feedback."""
+    from ray_diloco.core.wire import apply_downlink, encode_downlink
+
+    theta0 = np.random.default_rng(3).standard_normal(600).astype(np.float32)
+    maths, one_call = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig(), fmt, True)
+    held, residual = torch.tensor(theta0), None
+    for k in range(3):
+        ds = _deltas(20 + k, 600, 2)
+        out = maths.step(0, [1.0, 2.0], *ds)
+        assert "message" not in out and torch.equal(out["before"], held)
+        message, applied, residual = encode_downlink(out["before"], maths.params[0], fmt, residual)
+        maths.set_global(0, applied)
+        held = apply_downlink(held, message)
+        ref = one_call.step(0, [1.0, 2.0], *ds)
+        assert ref["message"] == message and torch.equal(maths.params[0], held)
+        assert torch.equal(one_call.params[0], held) and ref["update_norm"] == float((held - out["before"]).norm())
+    assert maths.state_hash() == one_call.state_hash()
+
+
 @pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
 def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     """Two replicas' wire messages reach the driver actor through the object store; the round

@@ -22,8 +22,6 @@ import numpy as np
 import torch
 
 from ray_diloco.config import OuterConfig
-from ray_diloco.core.wire import apply_downlink
-from ray_diloco.core.quantize import encode, quantize_with_feedback, to_message
 
 
 def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
@@ -61,22 +59,29 @@ def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> 
 
 
 class OuterOptimizer:
-    """Global fp32 parameters, an outer optimiser per fragment, and the downlink encoding.
+    """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
+
+    The downlink message (quantised update or full values) is the wire's business
+    (``core.wire.encode_downlink``): the driver calls :meth:`step`, encodes, and adopts the
+    decoded value with :meth:`set_global` so it holds what every replica holds.
 
     Args:
         initial: one fp32 array ``[numel_p]`` per fragment (the replicas' common initialisation).
         cfg: outer optimiser settings.
-        quantization: wire format of the outer update sent back (``streaming.quantization``).
-        error_feedback: carry the downlink quantisation residual into the next update.
+        quantization, error_feedback: optional one-call mode for tests and offline use: with a
+            format, :meth:`step` also encodes the downlink with ``core.wire.encode_downlink``
+            (downlink residuals kept here with ``error_feedback``), adopts the decoded value and
+            returns the ``message``, as ``runtime.driver.OuterDriver`` does. None (default): the
+            maths only.
     """
 
-    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig, quantization: str = "none",
+    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig, quantization: str | None = None,
                  error_feedback: bool = False):
         self.cfg, self.quantization, self.error_feedback = cfg, quantization, error_feedback
         self.params = [torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1)) for g in initial]
         self.opts = [make_outer_optimizer(p, cfg) for p in self.params]
         self.steps = [0] * len(self.params)
-        self.residuals: list[torch.Tensor | None] = [None] * len(self.params)
+        self.residuals: list[torch.Tensor | None] = [None] * len(self.params)  # one-call mode only
 
     # -- the outer step --------------------------------------------------------------------
     def step(self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
@@ -87,14 +92,11 @@ class OuterOptimizer:
         ``average_only`` (the closing round of a run, see ``SyncSchedule``) the global fragment
         becomes the weighted mean of the replicas' parameters instead (``global - mean``: outer
         lr 1, no momentum, optimiser state untouched), so a partial last round does not add a
-        momentum extrapolation. The reply
-        for the replicas is then encoded: with ``quantization: none`` the new global values in
-        fp32; otherwise the update ``u = new - old`` (plus the downlink residual with error
-        feedback) is quantised, and this optimiser's own global fragment is set to
-        ``exchange.apply_downlink(old, message)``, exactly what every replica computes.
+        momentum extrapolation.
 
-        Returns ``{"message": bytes, "update_norm": float, "step": int,
-        "delta_norms": [float per replica]}``.
+        Returns ``{"before": fp32 [numel_p] (the global fragment before the step),
+        "update_norm": float, "step": int, "delta_norms": [float per replica]}``, plus
+        ``"message"`` in the one-call mode (see the class).
         """
         p = self.params[fragment]
         mean = average_pseudo_gradients(list(deltas), list(weights))
@@ -107,20 +109,26 @@ class OuterOptimizer:
             self.opts[fragment].step()
             p.grad = None
         self.steps[fragment] += 1
-        if self.quantization == "none":
-            message = to_message(encode(p, "none"))
-        else:
-            message, residual = quantize_with_feedback(p - before, self.quantization, self.residuals[fragment])
+        out: dict[str, Any] = {"before": before}
+        if self.quantization is not None:
+            from ray_diloco.core.wire import encode_downlink
+
+            out["message"], applied, residual = encode_downlink(before, p, self.quantization,
+                                                                self.residuals[fragment])
             if self.error_feedback:
                 self.residuals[fragment] = residual
+            self.set_global(fragment, applied)
+        out.update(update_norm=float((p - before).norm()), step=self.steps[fragment],
+                   delta_norms=[float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas])
+        return out
+
+    def set_global(self, fragment: int, value: torch.Tensor) -> None:
+        """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state
+        (the driver adopts the decoded downlink, ``core.wire.encode_downlink``)."""
+        p = self.params[fragment]
+        if value is not p:
             with torch.no_grad():
-                p.copy_(apply_downlink(before, message))
-        return {
-            "message": message,
-            "update_norm": float((p - before).norm()),
-            "step": self.steps[fragment],
-            "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas],
-        }
+                p.copy_(value)
 
     def global_params(self) -> list[np.ndarray]:
         """Copies of every global fragment, fp32 ``[numel_p]``."""
@@ -128,17 +136,20 @@ class OuterOptimizer:
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Global parameters, optimiser state (momentum buffers), step counts and downlink
-        residuals per fragment (a snapshot, not live buffers)."""
-        return {
+        """Global parameters, optimiser state (momentum buffers), step counts and (one-call mode)
+        downlink residuals per fragment (a snapshot, not live buffers)."""
+        state = {
             "global": self.global_params(),
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],
             "steps": list(self.steps),
-            "residuals": [None if r is None else r.numpy().copy() for r in self.residuals],
         }
+        if self.quantization is not None:
+            state["residuals"] = [None if r is None else r.numpy().copy() for r in self.residuals]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts, residuals).
+        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts and, in the
+        one-call mode, residuals; a state without them leaves none).
 
         Raises:
             ValueError: if the number of fragments differs.
@@ -150,7 +161,7 @@ class OuterOptimizer:
                 self.params[i].copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
             self.opts[i].load_state_dict(state["optimizers"][i])
         self.steps = list(state["steps"])
-        res = state.get("residuals") or [None] * len(self.params)
+        res = (state.get("residuals") if self.quantization is not None else None) or [None] * len(self.params)
         self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
                           for r in res]
 

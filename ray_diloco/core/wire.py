@@ -3,10 +3,11 @@ and the byte accounting (Streaming DiLoCo, arXiv 2501.18512, section 2; DiLoCo, 
 
 Uplink: each replica's unreduced pseudo-gradient ``delta = global - local`` (fp32 ``[numel_p]``),
 quantised with ``streaming.quantization`` (plus its error-feedback residual when enabled).
-Downlink (see ``core.outer.OuterOptimizer.step``): with ``none`` the new global fragment in fp32;
-otherwise the quantised outer update ``u = new - old``, which every receiver (and the driver
-itself) applies with :func:`apply_downlink`, so the driver and every replica hold
-bitwise-identical global parameters.
+Downlink (:func:`encode_downlink`, called by the driver after each outer step of
+``core.outer.OuterOptimizer``): with ``none`` the new global fragment in fp32; otherwise the
+quantised outer update ``u = new - old``, which every receiver (and the driver itself) applies
+with :func:`apply_downlink`, so the driver and every replica hold bitwise-identical global
+parameters.
 
 Bytes counted are the lengths of the serialised messages (``quantize.to_message``: 13-byte
 header + fp32 block scales + packed values); Ray adds a few dozen bytes of object metadata.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ray_diloco.core.quantize import decode, from_message
+from ray_diloco.core.quantize import decode, encode, from_message, quantize_with_feedback, to_message
 
 
 def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
@@ -38,6 +39,28 @@ def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
         raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
     values = torch.from_numpy(decode(packed))
     return values if packed.format == "none" else old_global + values
+
+
+def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
+                    residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
+    """Encode the driver's reply for one outer step of a fragment (fp32 ``[numel_p]`` before and
+    after the step) in ``streaming.quantization`` ``fmt``.
+
+    Returns ``(message, applied, new_residual)``. With ``none`` the message carries
+    ``new_global`` itself and ``applied`` is ``new_global`` (the same tensor; ``residual`` is
+    returned as given). Otherwise the update ``new - old`` (plus ``residual``, the downlink
+    error-feedback residual, None: zero) is quantised; ``applied`` is
+    ``apply_downlink(old_global, message)``, exactly what every receiver computes, which the
+    driver must adopt as its global fragment, and ``new_residual`` is what the encoding lost
+    (keep it only with error feedback).
+
+    Raises:
+        ValueError: unknown format, or non-finite values.
+    """
+    if fmt == "none":
+        return to_message(encode(new_global, "none")), new_global, residual
+    message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
+    return message, apply_downlink(old_global, message), new_residual
 
 
 OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 
-from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply
 from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply, encode_downlink
 from ray_diloco.core.quantize import decode, encode, from_message, to_message
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
@@ -110,8 +111,9 @@ class OuterDriver:
         if self.opt is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
         c = self.cfg
-        self.opt = OuterOptimizer(initial, c.outer, c.streaming.quantization, c.streaming.error_feedback)
+        self.opt = OuterOptimizer(initial, c.outer)
         self.versions = [0] * len(self.opt.params)
+        self.residuals: list[torch.Tensor | None] = [None] * len(self.opt.params)  # downlink error feedback
         self.finished_order: list[deque] = [deque() for _ in self.opt.params]
         self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
 
@@ -182,9 +184,9 @@ class OuterDriver:
                 self._event("timeout", m, fragment=fragment, step=step, timeout_s=self.timeout_s)
         if len(order) >= self.quorum and sum(weights) > 0:
             out = self.opt.step(fragment, weights, *[r.deltas[m][1] for m in order], average_only=r.average_only)
-            message = out["message"]
+            message, update_norm = self._downlink(fragment, out["before"])
             self.versions[fragment] += 1
-            self.stats.append({"fragment": fragment, "step": step, "update_norm": out["update_norm"],
+            self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": dict(zip(order, out["delta_norms"])), "replicas": order,
                                "bytes_up": r.bytes_up, "bytes_down": len(message) * len(self._expected(step) | set(order))})
             rec = _Finished(False, base, message, frozenset(order), frozenset(r.rejected))
@@ -201,6 +203,18 @@ class OuterDriver:
         self.last_finished[fragment] = max(self.last_finished[fragment], step)
         r.deltas.clear()
         r.done.set()
+
+    def _downlink(self, fragment: int, before: torch.Tensor) -> tuple[bytes, float]:
+        """Encode the reply of the outer step just taken on ``fragment`` (``core.wire``) and adopt
+        the decoded value as the global fragment, as every receiver does; returns the message and
+        the norm of the update applied."""
+        s = self.cfg.streaming
+        message, applied, residual = encode_downlink(before, self.opt.params[fragment], s.quantization,
+                                                     self.residuals[fragment])
+        if s.error_feedback:
+            self.residuals[fragment] = residual
+        self.opt.set_global(fragment, applied)
+        return message, float((self.opt.params[fragment] - before).norm())
 
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
         remaining = r.opened + self.timeout_s - time.monotonic()
@@ -302,15 +316,19 @@ class OuterDriver:
         return list(self.versions)
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state, fragment versions, the newest finished round per
-        fragment and the figures of completed rounds not yet reported."""
-        return {**self.opt.state_dict(), "versions": list(self.versions), "completed": list(self.last_finished),
+        """The outer optimiser's state, the downlink residuals, fragment versions, the newest
+        finished round per fragment and the figures of completed rounds not yet reported."""
+        return {**self.opt.state_dict(),
+                "residuals": [None if r is None else r.numpy().copy() for r in self.residuals],
+                "versions": list(self.versions), "completed": list(self.last_finished),
                 "stats": copy.deepcopy(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.opt.load_state_dict(state)
         n = len(self.opt.params)
+        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+                          for r in (state.get("residuals") or [None] * n)]
         self.versions = list(state.get("versions", [0] * n))
         self.last_finished = list(state.get("completed", [0] * n))
         self.stats = copy.deepcopy(list(state.get("stats", [])))

@@ -8,7 +8,8 @@ that (rank 0) quantises and sends the pseudo-gradient to the outer-optimiser dri
 thread only copies the pseudo-gradient out and, at the merge step, waits on a future, so
 the time it spends blocked is exactly the communication the overlap failed to hide.
 
-The wire format itself (statuses, replies, the downlink rule) is ``core/wire.py``.
+The wire format itself (statuses, replies, the downlink rule) is ``core/wire.py``; the
+replica's sync state machine that drives the link is ``core/sync.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
@@ -39,7 +41,8 @@ class LinkStats:
 
 @dataclass
 class Link:
-    """A worker's connection to the outer-optimiser driver, served by one background thread.
+    """A worker's connection to the outer-optimiser driver, served by one background thread
+    (the Ray :class:`~ray_diloco.core.sync.Transport` of ``core.sync.FragmentSync``).
 
     Args:
         driver: the ``OuterDriver`` actor handle.
@@ -115,6 +118,16 @@ class Link:
         with self._lock:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version)
+
+    def residual_state(self) -> dict[int, np.ndarray]:
+        """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty
+        without error feedback). Call when no exchange is in flight."""
+        return {f: r.numpy().copy() for f, r in self.residuals.items()}
+
+    def load_residual_state(self, residuals: dict[int, Any]) -> None:
+        """Replace the error-feedback residuals with copies of fp32 arrays by fragment."""
+        self.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+                          for f, r in residuals.items()}
 
     def take_stats(self) -> dict[str, Any]:
         """The counters since the last call, then reset."""

@@ -7,7 +7,9 @@ parameters and inner-optimiser state. Rank 0 computes the replica's pseudo-gradi
 
 The inner loop (DiLoCo, arXiv 2311.08105, Algorithm 1 lines 4-7): AdamW with the lr a pure
 function of the global inner step (warmup + cosine), gradient clipping, bf16 autocast optional;
-the AdamW state is kept across outer steps, never reset or averaged.
+the AdamW state is kept across outer steps, never reset or averaged. The fragment syncs (send,
+overlap, merge, checkpointed syncs in flight) are ``core.sync.FragmentSync``, driven here after
+every inner step through a :class:`~ray_diloco.runtime.link.Link`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import os
 import socket
 import time
-from concurrent.futures import Future
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
@@ -33,54 +34,17 @@ from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
                                        tensor_hash, unflatten_into)
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
-from ray_diloco.core.wire import FAILED, OK, REJECTED, SyncResult, link_delay_s
+from ray_diloco.core.sync import FragmentSync
+from ray_diloco.core.wire import link_delay_s
 from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
 from ray_diloco.runtime.link import Link
 
 
-@dataclasses.dataclass
-class PendingSync:
-    """A fragment sent at ``send_step`` whose new global value is merged at ``apply_step``.
-    ``future`` resolves to an ``exchange.SyncResult``; after a resume ``result`` holds it (the
-    new global value restored from the driver's checkpoint, bytes and status from the
-    worker's). ``prev_send``: the fragment's previous send step, restored if the round fails."""
-
-    fragment: int
-    send_step: int
-    apply_step: int
-    future: Future | None
-    prev_send: int = 0
-    result: SyncResult | None = None
-
-    def outcome(self) -> SyncResult:
-        """The finished exchange (waits for it); re-raises a failed one."""
-        if self.result is None:
-            self.result = self.future.result()
-        return self.result
-
-
-@dataclasses.dataclass
-class CommCounters:
-    """Bytes of the syncs this worker merged (counted at the merge, so a sync belongs to the
-    outer step it lands in, also across a resume)."""
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    events: int = 0
-    peak_event_bytes: int = 0  # largest up + down of one sync
-
-    def add(self, up: int, down: int) -> None:
-        """Count one merged sync."""
-        self.bytes_up += up
-        self.bytes_down += down
-        self.events += 1
-        self.peak_event_bytes = max(self.peak_event_bytes, up + down)
-
-
 def _dp_emulation_hook(worker: "ReplicaWorker"):
-    """DDP comm hook for ``algorithm: dp`` under WAN emulation: the real all-reduce, plus the
-    emulated time of a ring all-reduce of the bucket (each rank sends and receives
-    ``2 (R-1)/R`` of the bucket's bytes over ``2 (R-1)`` hops), slept after the optimiser step."""
+    """DDP comm hook for the DP baseline under WAN emulation (``ReplicaWorker(allreduce_emulation=True)``):
+    the real all-reduce, plus the emulated time of a ring all-reduce of the bucket (each rank
+    sends and receives ``2 (R-1)/R`` of the bucket's bytes over ``2 (R-1)`` hops), slept after
+    the optimiser step."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -96,6 +60,24 @@ def _dp_emulation_hook(worker: "ReplicaWorker"):
     return hook
 
 
+def _free_port() -> int:
+    """A TCP port free on this node now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
+    """The mean of a fp64 scalar over the ``world_size`` ranks of the replica's process group
+    (1: no group, the value itself)."""
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(value)  # gloo/nccl; float64 on CPU only for gloo
+        value /= world_size
+    return float(value)
+
+
 class ReplicaWorker:
     """One rank of one replica.
 
@@ -108,13 +90,17 @@ class ReplicaWorker:
         num_shards: total shards (M x workers_per_replica).
         vocab_size: tokenizer vocabulary size.
         model_fn: optional builder ``(shape, vocab_size) -> nn.Module`` replacing the presets.
+        allreduce_emulation: the DP baseline under WAN emulation: DDP's all-reduce also sleeps
+            the emulated time of a ring all-reduce of each bucket (``network``; needs
+            ``world_size > 1``).
     """
 
     def __init__(self, config: dict[str, Any], replica: int, rank: int, world_size: int, shard: int,
-                 num_shards: int, vocab_size: int, model_fn: ModelFn | None = None):
+                 num_shards: int, vocab_size: int, model_fn: ModelFn | None = None, allreduce_emulation: bool = False):
         self.cfg = load_config(config, validate=False)
         self.replica, self.rank, self.world_size = replica, rank, world_size
         self.shard, self.num_shards = shard, num_shards
+        self.allreduce_emulation = allreduce_emulation
         threads = max(1, int(self.cfg.diloco.cpus_per_worker or 1))
         torch.set_num_threads(threads)
         if self.cfg.run.deterministic:
@@ -130,16 +116,13 @@ class ReplicaWorker:
         except ValueError:  # reported by the trainer (ConfigError) before any training
             self.fragments = plan_fragments(self.specs, 1)
         self.params = dict(self.model.named_parameters())
-        self.global_flat: list[torch.Tensor | None] = [None] * len(self.fragments)
-        self.global_version = [0] * len(self.fragments)  # outer steps applied to each global fragment
-        self.schedule: SyncSchedule | None = None
-        self.link: Link | None = None
-        self.pending: list[PendingSync] = []
-        self.last_send = [0] * len(self.fragments)
-        self.trace: list[dict[str, Any]] = []
         self.dp_bytes, self.dp_delay_s = 0, 0.0
-        self.comm = CommCounters()
         self.optimizer = make_inner_optimizer(self.model, self.cfg)
+        # a lambda: torch's load_state_dict replaces optimizer.state, so no bound method of it
+        self.sync = FragmentSync(self.params, self.fragments, alpha=self.cfg.streaming.alpha,
+                                 batch=self.cfg.batch_per_worker, seq_len=self.cfg.data.seq_len,
+                                 world_size=world_size, rank=rank, trace=self.cfg.run.trace_syncs,
+                                 on_reset=lambda: self.optimizer.state.clear())
         self.net: torch.nn.Module = self.model
         self.reader: ShardReader | None = None
         self.val_tokens: np.ndarray | None = None
@@ -148,10 +131,7 @@ class ReplicaWorker:
     # -- set-up ----------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
         """``(ip, free TCP port)`` on this node, for the replica's TCPStore (rank 0)."""
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return ip, s.getsockname()[1]
+        return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, master: tuple[str, int] | None, train_tokens: np.ndarray, val_tokens: np.ndarray) -> dict:
         """Join the replica's process group (if world_size > 1), wrap in DDP, open the data shard.
@@ -172,7 +152,7 @@ class ReplicaWorker:
 
             self.net = DDP(self.model, device_ids=[0] if self.device.type == "cuda" else None)
             net = self.cfg.network
-            if self.cfg.algorithm == "dp" and (net.bandwidth_gbps or net.latency_ms):
+            if self.allreduce_emulation and (net.bandwidth_gbps or net.latency_ms):
                 self.net.register_comm_hook(None, _dp_emulation_hook(self))
         self.reader = ShardReader(train_tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
         self.val_tokens = val_tokens
@@ -204,93 +184,25 @@ class ReplicaWorker:
 
     def global_hash(self) -> str:
         """sha256 of the global parameters this worker holds (all fragments)."""
-        return tensor_hash([g for g in self.global_flat if g is not None])
+        return self.sync.global_hash()
 
-    # -- outer-step exchange ---------------------------------------------------------------
+    # -- outer-step exchange (core.sync.FragmentSync) ---------------------------------------
     def attach(self, driver: Any, schedule: SyncSchedule) -> None:
         """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n = self.cfg.streaming, self.cfg.network
-        self.schedule = schedule
-        self.link = Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
-                         n.bandwidth_gbps, n.latency_ms)
-
-    def _send(self, f: int, t: int) -> None:
-        """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
-        it to the link thread; the merge is queued for ``schedule.apply_step(t)``."""
-        frag, g = self.fragments[f], self.global_flat[f]
-        local = flatten(self.params, frag)
-        delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
-        weight = float((t - self.last_send[f]) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size)
-        prev, self.last_send[f] = self.last_send[f], t
-        fut = self.link.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t))
-        self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
-        if self.cfg.run.trace_syncs:
-            self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),
-                               "local_at_send": local})
-
-    def _merge(self, e: PendingSync) -> float:
-        """Merge a finished sync (Streaming DiLoCo, section 2):
-        ``theta_local <- alpha * theta_local + (1 - alpha) * new_global``; returns seconds blocked.
-
-        By the round's status: ``ok``/``dropped`` merge; ``failed`` (no quorum) keeps the local
-        parameters and the fragment's previous send step, so the next pseudo-gradient carries
-        this round's work too; ``rejected`` (non-finite) resets the replica to the global
-        parameters with a fresh inner optimiser."""
-        t0 = time.perf_counter()
-        res = e.outcome()
-        waited = time.perf_counter() - t0
-        new = res.new_global
-        self.comm.add(res.bytes_up, res.bytes_down)
-        frag, alpha = self.fragments[e.fragment], self.cfg.streaming.alpha
-        local = flatten(self.params, frag)
-        self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
-        if res.status == FAILED:
-            self.last_send[e.fragment] = e.prev_send
-            merged = local
-        elif res.status == REJECTED:
-            self.reset_to_global()
-            merged = new
-        else:
-            merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
-            unflatten_into(self.params, frag, merged)
-        if self.cfg.run.trace_syncs:
-            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
-            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
-                        "merged": merged.clone()})
-        return waited
-
-    def _sync(self, t: int) -> float:
-        """Every send and merge due after inner step ``t``; returns seconds blocked on the link."""
-        for f in self.schedule.sends_at(t):
-            self._send(f, t)
-        waited = 0.0
-        while self.pending and self.pending[0].apply_step <= t:
-            waited += self._merge(self.pending.pop(0))
-        return waited
+        self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
+                                        n.bandwidth_gbps, n.latency_ms))
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
         their step); re-raises a failed exchange. Returns the number of syncs in flight."""
-        for e in self.pending:
-            e.outcome()
-        return len(self.pending)
-
-    @staticmethod
-    def _pending_row(e: PendingSync) -> list[Any]:
-        """A sync in flight as checkpointed: fragment, send and merge steps, bytes up and down,
-        status, the version its new global value is, and the fragment's previous send step."""
-        res = e.outcome()
-        return [e.fragment, e.send_step, e.apply_step, res.bytes_up, res.bytes_down, res.status, res.version,
-                e.prev_send]
+        return self.sync.settle()
 
     def reset_to_global(self) -> None:
         """Local parameters of every fragment <- the global ones this worker holds; the inner
         optimiser state is cleared (used after a rejected, non-finite pseudo-gradient)."""
-        for f, g in zip(self.fragments, self.global_flat):
-            if g is not None:
-                unflatten_into(self.params, f, g)
-        self.optimizer.state.clear()
+        self.sync.reset_to_global()
 
     def inner_optimizer_state(self) -> dict[str, Any]:
         """A copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
@@ -306,8 +218,7 @@ class ReplicaWorker:
         one it was started with) at the slot's position (None: the shard's start).
         Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero) and
         where the inner optimiser state came from (``peer`` or ``fresh``)."""
-        for f, g in enumerate(ray.get(list(global_refs))):
-            self.load_global(f, g, versions[f])
+        self.sync.join(ray.get(list(global_refs)), versions, step)
         state = None
         if peer_state:
             try:
@@ -318,31 +229,26 @@ class ReplicaWorker:
             self.optimizer.load_state_dict(state)
         else:
             self.optimizer.state.clear()
-        self.pending, self.last_send = [], [step] * len(self.fragments)
-        self.comm = CommCounters()
         if shard is not None and shard != self.shard:
             self.shard = shard
             self.reader = ShardReader(self.reader.tokens, self.cfg.data.seq_len, shard, self.num_shards,
                                       self.cfg.run.seed)
         if reader_state is not None:
             self.reader.load_state(reader_state)
-        return (tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)]),
-                "peer" if state is not None else "fresh")
+        return self.sync.pseudo_gradient_hash(), "peer" if state is not None else "fresh"
 
     def sync_trace(self) -> list[dict[str, Any]]:
         """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
-        return self.trace
+        return self.sync.trace
 
     def global_fragment(self, fragment: int) -> np.ndarray:
         """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
-        return self.global_flat[fragment].numpy().copy()
+        return self.sync.global_fragment(fragment)
 
     def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
         """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps): keep a copy,
         overwrite the local parameters."""
-        g = torch.from_numpy(np.array(global_p, dtype=np.float32, copy=True))
-        self.global_flat[fragment], self.global_version[fragment] = g, int(version)
-        unflatten_into(self.params, self.fragments[fragment], g)
+        self.sync.load_global(fragment, global_p, version)
 
     # -- inner loop ------------------------------------------------------------------------
     def _autocast(self):
@@ -350,73 +256,66 @@ class ReplicaWorker:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
+    def _inner_step(self, step: int, digest: Any) -> tuple[float, torch.Tensor]:
+        """One AdamW step at global inner step ``step``; returns its lr and the batch's mean
+        cross-entropy (fp64 CPU scalar). The (epoch, window) pairs read go into ``digest``."""
+        i = self.cfg.inner
+        lr = inner_lr(step, i.lr, i.warmup_steps, self.cfg.run.steps, i.min_lr_ratio)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        x, y, idx = self.reader.next_batch(self.cfg.batch_per_worker)
+        digest.update(idx.tobytes())
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self._autocast():
+            logits = logits_of(self.net(x))
+        loss, ce = lm_loss(logits, y, self.z_loss)
+        loss.backward()
+        if i.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), i.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, ce.detach().to("cpu", torch.float64)
+
     def train(self, start: int, end: int) -> dict[str, Any]:
         """Inner steps ``start .. end-1`` (global inner-step numbers) on this worker's shard.
 
         Returns the round's metrics: mean train loss (nats/token, averaged over ranks), last lr,
         tokens (this replica), inner-compute seconds and a sha256 of the (epoch, window) pairs read.
         """
-        cfg, i = self.cfg, self.cfg.inner
-        b = cfg.batch_per_worker
         total_loss = torch.zeros((), dtype=torch.float64)
         digest = hashlib.sha256()
         self.net.train()
         t_begin = time.perf_counter()
         compute_s = sync_s = wait_s = 0.0
         dp_seen, dp_bytes0 = self.dp_delay_s, self.dp_bytes
-        comm0 = dataclasses.replace(self.comm)
+        comm0 = dataclasses.replace(self.sync.comm)
         lr = 0.0
         for step in range(start, end):
             t0 = time.perf_counter()
-            lr = inner_lr(step, i.lr, i.warmup_steps, cfg.run.steps, i.min_lr_ratio)
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            x, y, idx = self.reader.next_batch(b)
-            digest.update(idx.tobytes())
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self._autocast():
-                logits = logits_of(self.net(x))
-            loss, ce = lm_loss(logits, y, self.z_loss)
-            loss.backward()
-            if i.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), i.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            total_loss += ce.detach().to("cpu", torch.float64)
+            lr, ce = self._inner_step(step, digest)
+            total_loss += ce
             t1 = time.perf_counter()
             compute_s += t1 - t0
-            if self.schedule is not None:
-                wait_s += self._sync(step + 1)
+            if self.sync.attached:
+                wait_s += self.sync.step(step + 1)
             elif self.dp_delay_s > dp_seen:  # emulated time of this step's DP all-reduce
                 time.sleep(self.dp_delay_s - dp_seen)
                 wait_s += self.dp_delay_s - dp_seen
                 dp_seen = self.dp_delay_s
             sync_s += time.perf_counter() - t1
         wall_s = time.perf_counter() - t_begin
-        n = max(1, end - start)
-        mean_loss = total_loss / n
-        if self.group:
-            import torch.distributed as dist
-
-            dist.all_reduce(mean_loss)  # gloo/nccl; float64 on CPU only for gloo
-            mean_loss /= self.world_size
+        train_loss = _mean_over_ranks(total_loss / max(1, end - start), self.world_size if self.group else 1)
+        link = self.sync.link_metrics(comm0) if self.sync.attached else \
+            {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0}
         return {
-            "replica": self.replica,
-            "rank": self.rank,
-            "train_loss": float(mean_loss),
-            "inner_lr": lr,
-            "steps": end - start,
-            "tokens": (end - start) * b * cfg.data.seq_len * self.world_size,
+            "replica": self.replica, "rank": self.rank, "train_loss": train_loss, "inner_lr": lr, "steps": end - start,
+            "tokens": (end - start) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size,
             "compute_s": compute_s,
             "sync_s": sync_s,  # training-thread seconds in sends, merges and waits
             "sync_wait_s": wait_s,  # of which blocked on the link (exposed communication)
             "wall_s": wall_s,
-            "link": {"bytes_up": self.comm.bytes_up - comm0.bytes_up, "bytes_down": self.comm.bytes_down - comm0.bytes_down,
-                     "events": self.comm.events - comm0.events, "peak_event_bytes": self.comm.peak_event_bytes,
-                     **self.link.take_stats()} if self.link is not None else
-            {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0},
-            "data_digest": digest.hexdigest(),
-            "reader": self.reader.state(),
+            "link": link,
+            "data_digest": digest.hexdigest(), "reader": self.reader.state(),
         }
 
     # -- evaluation ------------------------------------------------------------------------
@@ -442,18 +341,16 @@ class ReplicaWorker:
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self, full: bool = True) -> dict[str, Any]:
-        """Data position and RNG of this worker; with ``full`` also its inner-optimiser state and
-        local parameters (identical on every rank of a replica, so only rank 0 sends them)."""
+        """Data position and RNG of this worker and its sync state (``last_send``, ``pending``,
+        ``comm``: ``core.sync.FragmentSync.state_dict``); with ``full`` also its inner-optimiser
+        state, local parameters (identical on every rank of a replica, so only rank 0 sends them)
+        and the link's error-feedback ``residuals``."""
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
-                 "torch_rng": torch.get_rng_state(), "last_send": list(self.last_send),
-                 "pending": [self._pending_row(e) for e in self.pending],
-                 "comm": dataclasses.asdict(self.comm)}
+                 "torch_rng": torch.get_rng_state(), **self.sync.state_dict(residuals=full)}
         if full:
             state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
             state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
-            if self.link is not None and self.link.residuals:
-                state["residuals"] = {f: r.numpy().copy() for f, r in self.link.residuals.items()}
         return state
 
     def load_local(self, local: list[np.ndarray]) -> None:
@@ -469,22 +366,11 @@ class ReplicaWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
-        self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
-        self.pending = []
-        for p in state.get("pending", []):
-            f = int(p[0])
-            status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, self.global_version[f], 0)
-            res = SyncResult(self.global_flat[f], int(p[3]), int(p[4]), status, version)
-            self.pending.append(PendingSync(f, int(p[1]), int(p[2]), None, prev, res))
-        self.comm = CommCounters(**state.get("comm", {}))
-        if self.link is not None:
-            self.link.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-                                   for f, r in state.get("residuals", {}).items()}
+        self.sync.load_state_dict(state)
 
     def shutdown(self) -> None:
         """Stop the link thread and leave the replica's process group."""
-        if self.link is not None:
-            self.link.close()
+        self.sync.close()
         if self.group:
             import torch.distributed as dist
 

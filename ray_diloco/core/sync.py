@@ -1,0 +1,280 @@
+"""The replica's fragment-sync state machine (Streaming DiLoCo, arXiv 2501.18512, section 2).
+
+A replica holds, per fragment, the global value it last received and that value's version
+(outer steps applied). At the fragment's sync step ``s`` (``SyncSchedule.sends_at``) it sends
+its pseudo-gradient ``global - local`` (DiLoCo, arXiv 2311.08105, Algorithm 1 line 8) through a
+:class:`Transport` and keeps training; at ``apply_step(s) = s + tau`` it merges the new global
+value, ``local <- alpha * local + (1 - alpha) * new_global``.
+
+By the round's status (``core.wire``): ``ok``/``dropped`` merge; ``failed`` (no quorum) keeps
+the local parameters and restores the fragment's previous send step, so the next
+pseudo-gradient carries this round's work too (DiLoCo, arXiv 2311.08105, section 3, dropped
+outer gradients); ``rejected`` (non-finite) resets every fragment to the global parameters
+and calls ``on_reset`` (the runtime clears the inner optimiser).
+
+No Ray here: :class:`FragmentSync` is driven by the training thread of ``runtime/replica.py``
+and talks to the driver through any :class:`Transport` (``runtime/link.py``'s ``Link``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from ray_diloco.core.fragments import Fragment, flatten, tensor_hash, unflatten_into
+from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.core.wire import FAILED, OK, REJECTED, SyncResult
+
+
+class Transport(Protocol):
+    """How a replica's worker exchanges fragments with the outer optimiser.
+
+    ``exchange`` starts one sync in the background and returns a ``Future[SyncResult]``:
+    ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on) is given on rank 0 and
+    None on other ranks; ``old_global`` (the global value at ``version``) does not change until
+    the future is done; ``average_only``: a closing round. With error feedback the transport
+    keeps a residual per fragment, which ``residual_state``/``load_residual_state`` checkpoint
+    (fp32 ``[numel_p]`` arrays by fragment; empty without error feedback).
+    """
+
+    def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
+                 old_global: torch.Tensor, version: int = 0, average_only: bool = False) -> Future:
+        """Start a sync; the future resolves to a :class:`~ray_diloco.core.wire.SyncResult`."""
+
+    def residual_state(self) -> dict[int, np.ndarray]:
+        """Copies of the error-feedback residuals by fragment."""
+
+    def load_residual_state(self, residuals: dict[int, Any]) -> None:
+        """Replace the error-feedback residuals (fp32 arrays by fragment)."""
+
+    def take_stats(self) -> dict[str, Any]:
+        """Transport counters since the last call (then reset)."""
+
+    def close(self) -> None:
+        """Stop; exchanges still pending are abandoned."""
+
+
+@dataclasses.dataclass
+class PendingSync:
+    """A fragment sent at ``send_step`` whose new global value is merged at ``apply_step``.
+    ``future`` resolves to a ``core.wire.SyncResult``; after a resume ``result`` holds it (the
+    new global value restored from the driver's checkpoint, bytes and status from the
+    worker's). ``prev_send``: the fragment's previous send step, restored if the round fails."""
+
+    fragment: int
+    send_step: int
+    apply_step: int
+    future: Future | None
+    prev_send: int = 0
+    result: SyncResult | None = None
+
+    def outcome(self) -> SyncResult:
+        """The finished exchange (waits for it); re-raises a failed one."""
+        if self.result is None:
+            self.result = self.future.result()
+        return self.result
+
+    def row(self) -> list[Any]:
+        """As checkpointed: fragment, send and merge steps, bytes up and down, status, the
+        version its new global value is, and the fragment's previous send step (waits)."""
+        res = self.outcome()
+        return [self.fragment, self.send_step, self.apply_step, res.bytes_up, res.bytes_down, res.status,
+                res.version, self.prev_send]
+
+
+@dataclasses.dataclass
+class CommCounters:
+    """Bytes of the syncs this worker merged (counted at the merge, so a sync belongs to the
+    outer step it lands in, also across a resume)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    events: int = 0
+    peak_event_bytes: int = 0  # largest up + down of one sync
+
+    def add(self, up: int, down: int) -> None:
+        """Count one merged sync."""
+        self.bytes_up += up
+        self.bytes_down += down
+        self.events += 1
+        self.peak_event_bytes = max(self.peak_event_bytes, up + down)
+
+
+class FragmentSync:
+    """One worker's side of the fragment syncs: global fragments and their versions, last send
+    steps, syncs in flight, byte counters and (optionally) a trace of every sync.
+
+    Args:
+        params: the model's parameters by name (updated in place by merges and resets).
+        fragments: the exchange plan (``core.fragments``).
+        alpha: the merge factor (``streaming.alpha``).
+        batch, seq_len, world_size: a pseudo-gradient's weight is the tokens the replica trained
+            since the fragment's last send, ``steps * batch * seq_len * world_size``.
+        rank: the worker's rank in its replica; only rank 0 computes pseudo-gradients.
+        trace: record fp32 tensors of every send and merge (``run.trace_syncs``).
+        on_reset: called after a reset to the global parameters (clear the inner optimiser).
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], *, alpha: float,
+                 batch: int, seq_len: int, world_size: int, rank: int = 0, trace: bool = False,
+                 on_reset: Callable[[], None] | None = None):
+        self.params, self.fragments, self.alpha = params, fragments, alpha
+        self.batch, self.seq_len, self.world_size, self.rank = batch, seq_len, world_size, rank
+        self.tracing, self.on_reset = trace, on_reset
+        n = len(fragments)
+        self.global_flat: list[torch.Tensor | None] = [None] * n
+        self.global_version = [0] * n  # outer steps applied to each global fragment
+        self.schedule: SyncSchedule | None = None
+        self.transport: Transport | None = None
+        self.pending: list[PendingSync] = []
+        self.last_send = [0] * n
+        self.trace: list[dict[str, Any]] = []
+        self.comm = CommCounters()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def attach(self, schedule: SyncSchedule, transport: Transport) -> None:
+        """From now on :meth:`step` syncs fragments on ``schedule`` through ``transport``."""
+        self.schedule, self.transport = schedule, transport
+
+    @property
+    def attached(self) -> bool:
+        """Whether a transport is attached (DiLoCo); False for the DP baseline."""
+        return self.transport is not None
+
+    def close(self) -> None:
+        """Close the transport (pending exchanges are abandoned)."""
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- global fragments ------------------------------------------------------------------
+    def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
+        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps): keep a copy,
+        overwrite the local parameters."""
+        g = torch.from_numpy(np.array(global_p, dtype=np.float32, copy=True))
+        self.global_flat[fragment], self.global_version[fragment] = g, int(version)
+        unflatten_into(self.params, self.fragments[fragment], g)
+
+    def global_fragment(self, fragment: int) -> np.ndarray:
+        """The global value of ``fragment`` held (fp32 ``[numel_p]``, a copy)."""
+        return self.global_flat[fragment].numpy().copy()
+
+    def global_hash(self) -> str:
+        """sha256 of the global parameters held (all fragments loaded so far)."""
+        return tensor_hash([g for g in self.global_flat if g is not None])
+
+    def pseudo_gradient_hash(self) -> str:
+        """sha256 of ``global - local`` of every fragment."""
+        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)])
+
+    def reset_to_global(self) -> None:
+        """Local parameters of every fragment <- the global ones held; then ``on_reset``."""
+        for f, g in zip(self.fragments, self.global_flat):
+            if g is not None:
+                unflatten_into(self.params, f, g)
+        if self.on_reset is not None:
+            self.on_reset()
+
+    def join(self, globals_: list[np.ndarray], versions: list[int], step: int) -> None:
+        """Start as a joiner at inner step ``step``: local and global parameters <- ``globals_``
+        at ``versions``; no sync in flight, every fragment last sent at ``step``, counters zero."""
+        for f, g in enumerate(globals_):
+            self.load_global(f, g, versions[f])
+        self.pending, self.last_send = [], [step] * len(self.fragments)
+        self.comm = CommCounters()
+
+    # -- the syncs -------------------------------------------------------------------------
+    def step(self, t: int) -> float:
+        """Every send and merge due after inner step ``t``; returns seconds blocked on the
+        transport. Merges happen at their ``apply_step`` (``send + tau``), never before."""
+        for f in self.schedule.sends_at(t):
+            self._send(f, t)
+        waited = 0.0
+        while self.pending and self.pending[0].apply_step <= t:
+            waited += self._merge(self.pending.pop(0))
+        return waited
+
+    def _send(self, f: int, t: int) -> None:
+        """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
+        it to the transport; the merge is queued for ``schedule.apply_step(t)``."""
+        frag, g = self.fragments[f], self.global_flat[f]
+        local = flatten(self.params, frag)
+        delta = g - local if self.rank == 0 else None  # DiLoCo Algorithm 1 line 8: global minus local
+        weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
+        prev, self.last_send[f] = self.last_send[f], t
+        fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t))
+        self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
+        if self.tracing:
+            self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(), "local_at_send": local})
+
+    def _merge(self, e: PendingSync) -> float:
+        """Merge a finished sync by its status (see the module); returns seconds blocked."""
+        t0 = time.perf_counter()
+        res = e.outcome()
+        waited = time.perf_counter() - t0
+        new = res.new_global
+        self.comm.add(res.bytes_up, res.bytes_down)
+        frag, alpha = self.fragments[e.fragment], self.alpha
+        local = flatten(self.params, frag)
+        self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
+        if res.status == FAILED:
+            self.last_send[e.fragment] = e.prev_send
+            merged = local
+        elif res.status == REJECTED:
+            self.reset_to_global()
+            merged = new
+        else:
+            merged = new if alpha == 0 else local if alpha == 1 else alpha * local + (1 - alpha) * new
+            unflatten_into(self.params, frag, merged)
+        if self.tracing:
+            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
+            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
+                        "merged": merged.clone()})
+        return waited
+
+    def settle(self) -> int:
+        """Wait until every sync started is answered (not merged: merges stay at their step);
+        re-raises a failed exchange. Returns the number of syncs in flight."""
+        for e in self.pending:
+            e.outcome()
+        return len(self.pending)
+
+    def link_metrics(self, since: CommCounters) -> dict[str, Any]:
+        """Bytes and events merged since the ``since`` snapshot of :attr:`comm`, the largest sync,
+        and the transport's counters (taken)."""
+        c = self.comm
+        return {"bytes_up": c.bytes_up - since.bytes_up, "bytes_down": c.bytes_down - since.bytes_down,
+                "events": c.events - since.events, "peak_event_bytes": c.peak_event_bytes,
+                **self.transport.take_stats()}
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self, residuals: bool = True) -> dict[str, Any]:
+        """``last_send``, ``pending`` (rows, see :meth:`PendingSync.row`; waits for them) and
+        ``comm``; with ``residuals`` also the transport's error-feedback ``residuals`` when
+        there are any. Call :meth:`settle` first so residuals are settled."""
+        state = {"last_send": list(self.last_send), "pending": [e.row() for e in self.pending],
+                 "comm": dataclasses.asdict(self.comm)}
+        if residuals and self.transport is not None:
+            res = self.transport.residual_state()
+            if res:
+                state["residuals"] = res
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (older checkpoints: missing keys and 5-column pending rows).
+        Call after :meth:`load_global`: syncs that were in flight at the checkpoint merge the
+        global values loaded, at their original merge step."""
+        self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
+        self.pending = []
+        for p in state.get("pending", []):
+            f = int(p[0])
+            status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, self.global_version[f], 0)
+            res = SyncResult(self.global_flat[f], int(p[3]), int(p[4]), status, version)
+            self.pending.append(PendingSync(f, int(p[1]), int(p[2]), None, prev, res))
+        self.comm = CommCounters(**state.get("comm", {}))
+        if self.transport is not None:
+            self.transport.load_residual_state(state.get("residuals", {}))

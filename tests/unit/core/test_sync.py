@@ -1,0 +1,376 @@
+"""The replica's fragment-sync state machine (``core.sync.FragmentSync``) without Ray.
+
+An in-process transport stands in for ``runtime/link.py``: each replica's exchanges run on its
+own one-thread pool (futures resolve in the background, like the link), and a tiny in-memory
+driver averages the replicas' pseudo-gradients with ``core.outer.OuterOptimizer`` and encodes
+the reply with ``core.wire`` exactly as ``runtime/driver.py`` does. The replicas' "inner steps"
+add seeded noise, so an independent replay of the algorithm (Streaming DiLoCo, arXiv
+2501.18512, section 2) can be compared with them bit for bit.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ray_diloco.config import OuterConfig
+from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments
+from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.quantize import decode, from_message, quantize_message, quantize_with_feedback
+from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.core.sync import FragmentSync
+from ray_diloco.core.wire import FAILED, OK, REJECTED, Reply, SyncResult, decode_reply, encode_downlink
+
+SHAPES = {"embed.weight": (7, 3), "blocks.0.w": (5,), "blocks.0.b": (4,), "blocks.1.w": (6,), "blocks.1.b": (2,),
+          "blocks.2.w": (3, 2), "blocks.3.w": (5,), "head.weight": (3,)}
+SPECS = [ParamSpec(n, s) for n, s in SHAPES.items()]
+FRAGMENTS = plan_fragments(SPECS, 2)  # embeddings | blocks 0, 2 | blocks 1, 3 | head
+BATCH, SEQ, WORLD = 2, 4, 1
+TOKENS = BATCH * SEQ * WORLD  # a pseudo-gradient's weight per inner step
+OUTER = OuterConfig(name="nesterov", lr=0.7, momentum=0.9)
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def _noise(replica: int, t: int) -> dict[str, torch.Tensor]:
+    """The replica's "inner step" t: seeded, the same in the run and in the replay."""
+    g = torch.Generator().manual_seed(1000 * (replica + 1) + t)
+    return {n: 0.1 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+class MemoryDriver:
+    """The outer optimiser in process: a round completes when every replica has sent.
+
+    ``fail``: rounds ``(fragment, step)`` that fail (as without a quorum). A replica that sends
+    no message (a non-finite pseudo-gradient) is rejected, as in ``runtime/driver.py``.
+    """
+
+    def __init__(self, initial: list[torch.Tensor], replicas: int, fmt: str = "none", fail=()):
+        self.opt = OuterOptimizer([g.numpy() for g in initial], OUTER)
+        self.replicas, self.fmt, self.fail = replicas, fmt, set(fail)
+        self.versions = [0] * len(initial)
+        self.lock = threading.Lock()
+        self.rounds: dict[tuple[int, int], dict[str, Any]] = {}
+        self.weights: dict[tuple[int, int], dict[int, float]] = {}
+
+    def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes | None,
+                 version: int, average_only: bool) -> Reply:
+        with self.lock:
+            r = self.rounds.setdefault((fragment, step), {"in": {}, "done": threading.Event(), "avg": False})
+            r["in"][replica] = (weight, None if message is None else decode(from_message(message)))
+            r["avg"] = r["avg"] or average_only
+            assert version == self.versions[fragment]  # no resync in these tests
+            self.weights.setdefault((fragment, step), {})[replica] = weight
+            if len(r["in"]) == self.replicas:
+                self._finish(fragment, step, r)
+        assert r["done"].wait(10), f"round {(fragment, step)} never completed"
+        return r["replies"][replica]
+
+    def _finish(self, fragment: int, step: int, r: dict[str, Any]) -> None:
+        base = self.versions[fragment]
+        valid = sorted(m for m, (_, d) in r["in"].items() if d is not None)
+        if (fragment, step) in self.fail or not valid:
+            r["replies"] = {m: Reply(FAILED, base) for m in r["in"]}
+        else:
+            out = self.opt.step(fragment, [r["in"][m][0] for m in valid], *[r["in"][m][1] for m in valid],
+                                average_only=r["avg"])
+            message, applied, _ = encode_downlink(out["before"], self.opt.params[fragment], self.fmt)
+            self.opt.set_global(fragment, applied)
+            self.versions[fragment] += 1
+            r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, message) for m in r["in"]}
+        r["done"].set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.opt.state_dict(), "versions": list(self.versions)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+        self.versions = list(state["versions"])
+
+
+class MemoryTransport:
+    """``core.sync.Transport`` over a :class:`MemoryDriver` (rank 0 of a replica), with the
+    link's error feedback: a residual kept per fragment, restored when the round did not use it."""
+
+    def __init__(self, driver: MemoryDriver, replica: int, fmt: str = "none", error_feedback: bool = False):
+        self.driver, self.replica, self.fmt, self.error_feedback = driver, replica, fmt, error_feedback
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.exchanges = 0
+        self.pool = ThreadPoolExecutor(max_workers=1)
+
+    def exchange(self, fragment, step, weight, delta, old_global, version=0, average_only=False) -> Future:
+        return self.pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
+
+    def _run(self, fragment, step, weight, delta, old_global, version, average_only) -> SyncResult:
+        before, message = self.residuals.get(fragment), None
+        if bool(torch.isfinite(delta).all()):
+            message, residual = quantize_with_feedback(delta, self.fmt, before)
+            if self.error_feedback:
+                self.residuals[fragment] = residual
+        reply = self.driver.exchange(fragment, step, self.replica, weight, message, version, average_only)
+        if reply.status != OK and self.error_feedback:
+            self.residuals.pop(fragment, None) if before is None else self.residuals.__setitem__(fragment, before)
+        self.exchanges += 1
+        return SyncResult(decode_reply(old_global, reply), len(message or b""), reply.nbytes, reply.status,
+                          reply.version)
+
+    def residual_state(self) -> dict[int, np.ndarray]:
+        return {f: r.numpy().copy() for f, r in self.residuals.items()}
+
+    def load_residual_state(self, residuals: dict[int, Any]) -> None:
+        self.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32)) for f, r in residuals.items()}
+
+    def take_stats(self) -> dict[str, Any]:
+        out, self.exchanges = {"exchanges": self.exchanges}, 0
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Replica:
+    """Parameters, a ``FragmentSync`` and the seeded inner steps of one replica."""
+
+    def __init__(self, m: int, driver: MemoryDriver, schedule: SyncSchedule, alpha: float, fmt: str = "none",
+                 error_feedback: bool = False, trace: bool = False):
+        self.m = m
+        self.params = _initial()
+        self.resets = 0
+        self.sync = FragmentSync(self.params, FRAGMENTS, alpha=alpha, batch=BATCH, seq_len=SEQ, world_size=WORLD,
+                                 trace=trace, on_reset=self._on_reset)
+        for f, g in enumerate(driver.opt.global_params()):
+            self.sync.load_global(f, g, driver.versions[f])
+        self.transport = MemoryTransport(driver, m, fmt, error_feedback)
+        self.sync.attach(schedule, self.transport)
+
+    def _on_reset(self) -> None:
+        self.resets += 1
+
+    def inner(self, t: int) -> None:
+        for n, d in _noise(self.m, t).items():
+            self.params[n].add_(d)
+
+    def local(self, f: int) -> torch.Tensor:
+        return flatten(self.params, FRAGMENTS[f])
+
+
+def _lockstep(replicas: list[Replica], start: int, end: int) -> None:
+    """Inner steps ``start+1 .. end`` of every replica, each followed by its syncs, run side by
+    side (at T a closing round merges at its send step: a replica waits for the others' sends)."""
+    with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+        for t in range(start + 1, end + 1):
+            for r in replicas:
+                r.inner(t)
+            for fut in [pool.submit(r.sync.step, t) for r in replicas]:
+                fut.result()
+
+
+def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, trace=False, M=2, H=12):
+    schedule = SyncSchedule(H=H, num_fragments=len(FRAGMENTS), overlap=tau, total_steps=T)
+    driver = MemoryDriver([flatten(_initial(), f) for f in FRAGMENTS], M, fmt, fail)
+    return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, trace) for m in range(M)]
+
+
+def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
+    """The algorithm written out directly (one OuterOptimizer, its downlink in one call): the
+    fragment's outer step on the mean pseudo-gradient at the send, the merge
+    ``alpha * local + (1 - alpha) * new_global`` tau steps later."""
+    locals_ = [_initial() for _ in range(M)]
+    glob = [flatten(_initial(), f) for f in FRAGMENTS]
+    opt = OuterOptimizer([g.numpy() for g in glob], OUTER, fmt)
+    last, due = [0] * len(FRAGMENTS), []
+    for t in range(1, schedule.total_steps + 1):
+        for m in range(M):
+            for n, d in _noise(m, t).items():
+                locals_[m][n].add_(d)
+        for f in schedule.sends_at(t):
+            deltas = [quantize_message(glob[f] - flatten(locals_[m], FRAGMENTS[f]), fmt)[1].numpy() for m in range(M)]
+            w = float((t - last[f]) * TOKENS)
+            last[f] = t
+            opt.step(f, [w] * M, *deltas, average_only=schedule.averages(f, t))
+            due.append((schedule.apply_step(t), f, opt.params[f].clone()))
+        for a, f, new in [d for d in due if d[0] <= t]:
+            due.remove((a, f, new))
+            glob[f] = new
+            for m in range(M):
+                local = flatten(locals_[m], FRAGMENTS[f])
+                merged = new if alpha == 0 else alpha * local + (1 - alpha) * new
+                _unflatten(locals_[m], f, merged)
+    return glob, locals_, opt
+
+
+def _unflatten(params: dict[str, torch.Tensor], f: int, flat: torch.Tensor) -> None:
+    off = 0
+    for p in FRAGMENTS[f].params:
+        params[p.name].copy_(flat[off: off + p.numel].view(p.shape))
+        off += p.numel
+
+
+@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha):
+    """Streaming fragments (4, strided), tau 2, a closing round at T=40: both replicas hold
+    bitwise-identical global fragments, equal to the driver's and to a direct replay with
+    ``OuterOptimizer``; the local parameters follow the replay too."""
+    schedule, driver, reps = _setup(tau=2, T=40, alpha=alpha, fmt=fmt)
+    _lockstep(reps, 0, 40)
+    assert all(r.sync.settle() == 0 for r in reps)
+    glob, locals_, opt = _replay(schedule, alpha, fmt)
+    for f in range(len(FRAGMENTS)):
+        a, b = (r.sync.global_fragment(f) for r in reps)
+        assert np.array_equal(a, b) and np.array_equal(a, driver.opt.params[f].numpy())
+        assert np.array_equal(a, glob[f].numpy()) and np.array_equal(a, opt.params[f].numpy())
+        assert reps[0].sync.global_version[f] == driver.versions[f] >= 40 // 12
+    for r, ref in zip(reps, locals_):
+        assert all(torch.equal(r.params[n], ref[n]) for n in SHAPES)
+    assert reps[0].sync.global_hash() == reps[1].sync.global_hash()
+    assert reps[0].sync.comm.events == sum(driver.versions)  # one merge per round, counted at the merge
+
+
+def test_a_merge_happens_exactly_at_send_plus_tau():
+    """tau 3: the round's answer is ready before, yet the new global value (alpha 0: the local
+    parameters become it) is merged at send + tau, not one step earlier."""
+    tau = 3
+    schedule, driver, reps = _setup(tau=tau, T=30, alpha=0.0, H=16)
+    f, s = 1, schedule.offset(1) + 16  # fragment 1's second send
+    _lockstep(reps, 0, s)
+    assert [e.apply_step for e in reps[0].sync.pending if e.fragment == f] == [s + tau]
+    reps[0].sync.settle()  # every answer is in
+    v0 = reps[0].sync.global_version[f]
+    for t in range(s + 1, s + tau):
+        _lockstep(reps, t - 1, t)
+        for r in reps:
+            assert r.sync.global_version[f] == v0 and not torch.equal(r.local(f), driver.opt.params[f])
+    _lockstep(reps, s + tau - 1, s + tau)
+    for r in reps:
+        assert r.sync.global_version[f] == v0 + 1
+        new = driver.opt.params[f]
+        assert torch.equal(r.local(f), new) and torch.equal(r.sync.global_flat[f], new)
+
+
+@pytest.mark.parametrize("alpha", [0.25, 1.0])
+def test_alpha_blends_the_local_and_the_new_global_parameters(alpha):
+    """At the merge: ``local <- alpha * local + (1 - alpha) * new_global``, bit for bit (alpha 1
+    keeps the local parameters and only adopts the new global value)."""
+    schedule, driver, reps = _setup(tau=1, T=30, alpha=alpha, H=8)
+    s = schedule.offset(2) + 8
+    _lockstep(reps, 0, s)
+    for r in reps:
+        r.inner(s + 1)
+    before = [r.local(2) for r in reps]
+    for r in reps:
+        r.sync.step(s + 1)
+    new = driver.opt.params[2]
+    for r, b in zip(reps, before):
+        assert torch.equal(r.sync.global_flat[2], new)
+        assert torch.equal(r.local(2), b if alpha == 1 else alpha * b + (1 - alpha) * new)
+    assert not torch.equal(before[0], before[1])  # the replicas did differ
+
+
+def test_a_failed_round_keeps_the_local_parameters_and_the_previous_send_step():
+    """No quorum for fragment 0's second round: global value and version unchanged, local
+    parameters untouched, and the fragment's next pseudo-gradient is weighted by the tokens of
+    both intervals (its last send step went back to the first send)."""
+    H, tau = 8, 1
+    first, second, third = H, 2 * H, 3 * H  # fragment 0 has offset 0
+    schedule, driver, reps = _setup(tau=tau, T=40, alpha=0.5, H=H, fail=[(0, second)])
+    _lockstep(reps, 0, second + tau - 1)
+    g0, v0 = reps[0].sync.global_flat[0].clone(), reps[0].sync.global_version[0]
+    assert [r.sync.last_send[0] for r in reps] == [second, second]
+    for r in reps:
+        r.inner(second + tau)
+    before = [r.local(0) for r in reps]
+    for r in reps:
+        r.sync.step(second + tau)
+    for r, b in zip(reps, before):
+        assert torch.equal(r.local(0), b) and torch.equal(r.sync.global_flat[0], g0)
+        assert r.sync.global_version[0] == v0 and r.sync.last_send[0] == first
+    _lockstep(reps, second + tau, third)
+    for r in reps:
+        r.sync.settle()  # the round sent at `third` has reached the driver
+    assert driver.weights[(0, second)] == {0: float(H * TOKENS), 1: float(H * TOKENS)}
+    assert driver.weights[(0, third)] == {0: float(2 * H * TOKENS), 1: float(2 * H * TOKENS)}
+
+
+def test_a_rejected_round_resets_the_replica_to_the_global_parameters():
+    """Replica 1's pseudo-gradient of fragment 3 is not finite: it abstains, the driver steps on
+    replica 0's alone and rejects 1, which at the merge resets every fragment to the global
+    values (and its inner optimiser, ``on_reset``); replica 0 merges as usual."""
+    schedule, driver, reps = _setup(tau=1, T=30, alpha=0.5, H=8)
+    s = schedule.offset(3) + 8
+    _lockstep(reps, 0, s - 1)
+    for r in reps:
+        r.inner(s)
+    reps[1].params["head.weight"][1] = float("nan")
+    for r in reps:
+        r.sync.step(s)
+    _lockstep(reps, s, s + 1)
+    assert reps[1].resets == 1 and reps[0].resets == 0
+    for f in range(len(FRAGMENTS)):
+        assert torch.equal(reps[1].local(f), reps[1].sync.global_flat[f])
+    assert torch.equal(reps[1].sync.global_flat[3], driver.opt.params[3])
+    assert torch.isfinite(reps[1].local(3)).all() and not torch.equal(reps[0].local(3), driver.opt.params[3])
+    _lockstep(reps, s + 1, 30)  # and the run goes on
+    assert all(torch.equal(reps[0].sync.global_flat[f], reps[1].sync.global_flat[f]) for f in range(len(FRAGMENTS)))
+
+
+def test_state_dict_round_trip_continues_bitwise_identically():
+    """fp4 with error feedback, checkpointed while syncs are in flight: the state keeps the
+    checkpoint format (last_send, pending rows of 8 columns, comm, residuals), and a fresh
+    replica restored from it, with the driver's global fragments, finishes the run bitwise
+    like the uninterrupted one. A row of an older checkpoint (5 columns) still loads."""
+    T = 40
+    schedule, driver, reps = _setup(tau=2, T=T, alpha=0.5, fmt="fp4_e3m0", error_feedback=True)
+    k = schedule.offset(1) + 12  # a send step: that round is in flight at the checkpoint
+    _lockstep(reps, 0, k)
+    for r in reps:
+        r.sync.settle()
+    states = [pickle.loads(pickle.dumps(r.sync.state_dict())) for r in reps]
+    assert set(states[0]) == {"last_send", "pending", "comm", "residuals"}
+    row = states[0]["pending"][0]
+    assert row[:3] == [1, k, k + 2] and row[5:] == [OK, driver.versions[1], k - 12] and len(row) == 8
+    assert set(states[0]["residuals"]) == set(range(len(FRAGMENTS)))
+    assert set(states[0]["comm"]) == {"bytes_up", "bytes_down", "events", "peak_event_bytes"}
+    saved = {"driver": pickle.loads(pickle.dumps(driver.state_dict())),
+             "locals": [[r.local(f).numpy().copy() for f in range(len(FRAGMENTS))] for r in reps]}
+    _lockstep(reps, k, T)  # the uninterrupted run
+
+    driver2 = MemoryDriver([flatten(_initial(), f) for f in FRAGMENTS], 2, "fp4_e3m0")
+    driver2.load_state_dict(saved["driver"])
+    reps2 = []
+    for m, state in enumerate(states):
+        r = Replica(m, driver2, schedule, 0.5, "fp4_e3m0", error_feedback=True)  # load_global from the driver
+        for f, local in enumerate(saved["locals"][m]):
+            _unflatten(r.params, f, torch.from_numpy(local))
+        r.sync.load_state_dict(state)
+        again = r.sync.state_dict()
+        res, res0 = again.pop("residuals"), state["residuals"]
+        assert again == {k: v for k, v in state.items() if k != "residuals"}
+        assert res.keys() == res0.keys() and all(np.array_equal(res[f], v) for f, v in res0.items())
+        reps2.append(r)
+    _lockstep(reps2, k, T)
+    for a, b in zip(reps, reps2):
+        assert all(torch.equal(a.params[n], b.params[n]) for n in SHAPES)
+        assert a.sync.global_hash() == b.sync.global_hash() and a.sync.global_version == b.sync.global_version
+        assert a.sync.last_send == b.sync.last_send and a.transport.residual_state().keys() == \
+            b.transport.residual_state().keys()
+    assert driver.opt.state_hash() == driver2.opt.state_hash()
+
+    old = FragmentSync(_initial(), FRAGMENTS, alpha=0.5, batch=BATCH, seq_len=SEQ, world_size=WORLD)
+    for f, g in enumerate(driver.opt.global_params()):
+        old.load_global(f, g, driver.versions[f])
+    old.load_state_dict({"last_send": [k] * 4, "pending": [row[:5]]})
+    (e,) = old.pending
+    assert (e.fragment, e.send_step, e.apply_step, e.prev_send) == (1, k, k + 2, 0)
+    assert e.outcome().status == OK and e.outcome().version == driver.versions[1]
+    assert old.state_dict() == {"last_send": [k] * 4, "pending": [[*row[:5], OK, driver.versions[1], 0]],
+                                "comm": {"bytes_up": 0, "bytes_down": 0, "events": 0, "peak_event_bytes": 0}}
