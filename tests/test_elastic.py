@@ -316,7 +316,10 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
                     killer.start()  # somewhere in this round, its checkpoint or the next round
                 t.outer_step(k)
                 t.checkpoint()
-        assert isinstance(err.value, ray.exceptions.RayError) or "driver" in str(err.value)
+        e = err.value  # the supervisor's ClusterError names the driver; a direct call on it (stats,
+        # events, state) raises Ray's error for the driver's own actor, not a replica's
+        assert ("the outer-optimiser driver" in str(e) if isinstance(e, ClusterError) else
+                isinstance(e, ray.exceptions.RayActorError) and e.actor_id == t.outer._actor_id.hex()), repr(e)
     finally:
         if killer.is_alive():
             killer.join()
