@@ -25,7 +25,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ray-diloco", description="DiLoCo training of language models on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_add_run_commands, _add_plan_command, _add_law_commands, _add_simulate_command, _add_tune_commands):
+    for add in (_add_run_commands, _add_prepare_command, _add_plan_command, _add_law_commands, _add_simulate_command,
+                _add_tune_commands):
         add(sub)
     return ap
 
@@ -52,6 +53,39 @@ def _add_run_commands(sub: Any) -> None:
 
     c = sub.add_parser("config", help="print the resolved config as YAML (after --config and --set)")
     _add_config_args(c)
+
+
+def _add_prepare_command(sub: Any) -> None:
+    p = sub.add_parser("prepare", help="tokenise a corpus once, on Ray Data, into a token store (data.prepared)")
+    p.add_argument("sources", nargs="*", metavar="SOURCE",
+                   help="files, directories or globs, local or s3:// / gs://: .txt/.md, .jsonl/.json or .parquet")
+    p.add_argument("--out", required=True, metavar="DIR_OR_URI", help="the store's directory or URI")
+    p.add_argument("--dataset", default=None, metavar="NAME",
+                   help="instead of SOURCE: a Hugging Face dataset (hub name or local dataset directory), streamed")
+    p.add_argument("--dataset-config", default=None, metavar="C", help="configuration of --dataset")
+    p.add_argument("--split", default="train", metavar="S", help="split of --dataset (default train)")
+    p.add_argument("--tokenizer", default="bpe", metavar="char|bpe|NAME_OR_PATH",
+                   help="char, bpe (byte-level BPE trained on a 32 MB sample), or a Hugging Face tokenizer name, "
+                        "directory or tokenizer.json (default bpe)")
+    p.add_argument("--bpe-vocab-size", type=int, default=4096, help="vocabulary of the trained BPE (default 4096)")
+    p.add_argument("--text-field", default="text", help="column holding the text (JSONL, Parquet, --dataset)")
+    p.add_argument("--val-fraction", type=float, default=0.01,
+                   help="share of the documents, by hash of their text, held out for validation (default 0.01)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
+    p.add_argument("--actors", type=int, default=None, help="tokenizer actors (default: one per CPU)")
+    p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _cmd_prepare(a: argparse.Namespace) -> int:
+    from ray_diloco.components.prepare import PrepareOptions, prepare_store
+
+    prepare_store(PrepareOptions(
+        sources=a.sources, out=a.out, dataset=a.dataset, dataset_config=a.dataset_config, split=a.split,
+        tokenizer=a.tokenizer, bpe_vocab_size=a.bpe_vocab_size, text_field=a.text_field, val_fraction=a.val_fraction,
+        shard_tokens=a.shard_tokens, actors=a.actors, progress=not a.no_progress), address=a.address)
+    print(f"store: {a.out} (train with --set data.prepared={a.out})")
+    return 0
 
 
 def _add_plan_command(sub: Any) -> None:
@@ -444,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
-                "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune, "fit": _cmd_fit, "predict": _cmd_predict,
+                "prepare": _cmd_prepare, "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune, "fit": _cmd_fit, "predict": _cmd_predict,
                 "simulate": _cmd_simulate}
     try:
         return handlers[a.command](a)

@@ -1,0 +1,456 @@
+"""``ray-diloco prepare``: tokenise a corpus once, in parallel on Ray Data, into a token store.
+
+Pipeline: ``ray.data.read_text / read_json / read_parquet`` (files, directories, globs; local or
+any URI pyarrow knows) or a streamed ``datasets`` source (``--dataset``, hub name or local
+dataset directory) -> ``map_batches`` over an actor pool (one ``tokenizers`` tokenizer per actor,
+``encode_batch_fast``) -> the driver appends each batch's tokens, in source order, to the shards
+of :class:`~ray_diloco.components.token_store.StoreWriter` (see that module for the format).
+
+Documents: a row of a JSONL/Parquet/hub source is a document (EOS after it); a line of a text
+file is a row whose newline is kept (a text file is one running text: no EOS inside it). A row
+goes to the validation split when ``crc32(utf-8 text) / 2**32 < val_fraction``: the split
+depends on the text only, not on the number of actors. Memory: the driver holds at most one
+shard plus the batches in flight; Ray Data's object store use is capped (``OBJECT_STORE_BYTES``);
+a read task holds one input file (or one Parquet row group), so split huge text files.
+
+A killed prepare rerun with the same sources and options continues: the shards finished before
+the kill are kept, the tokens after the last finished shard are redone (``prepare-state.npz``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import posixpath
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter, TokenStore
+from ray_diloco.errors import DataError
+
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
+           ".parquet": "parquet"}
+#: Text read to build a ``char`` vocabulary or train a ``bpe`` tokenizer (a bounded sample), bytes.
+SAMPLE_BYTES = 32 << 20
+#: Cap of Ray Data's object store use during a prepare, bytes.
+OBJECT_STORE_BYTES = 512 << 20
+EOS = "<|endoftext|>"
+#: CPUs reserved by a read task (the tokenizer actors hold one each: reads must still be scheduled).
+READ_CPUS = 0.25
+#: CPUs reserved by a tokenizer actor.
+ACTOR_CPUS = 0.75
+
+
+@dataclass
+class PrepareOptions:
+    """What ``ray-diloco prepare`` does (its command-line options)."""
+
+    sources: list[str] = field(default_factory=list)
+    """Files, directories or globs, local or URIs (``s3://...``); .txt/.md, .jsonl/.json or .parquet."""
+    out: str = ""
+    """The store's directory or URI."""
+    dataset: str | None = None
+    """A ``datasets`` source streamed instead of ``sources``: a hub name or a local dataset directory."""
+    dataset_config: str | None = None
+    """Configuration of ``dataset``."""
+    split: str = "train"
+    """Split of ``dataset``."""
+    tokenizer: str = "bpe"
+    """``char``, ``bpe`` (byte-level BPE trained on a sample) or a Hugging Face tokenizer name, directory
+    or tokenizer.json file."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary of the trained BPE."""
+    text_field: str = "text"
+    """Column of JSONL/Parquet/hub rows holding the text."""
+    val_fraction: float = 0.01
+    """Share of the documents (by hash of their text) that goes to the validation split, in [0, 1)."""
+    shard_tokens: int = SHARD_TOKENS
+    """Tokens per shard."""
+    batch_rows: int = 1024
+    """Rows per ``map_batches`` batch."""
+    actors: int | None = None
+    """Tokenizer actors; None: one per CPU of the cluster."""
+    progress: bool = True
+    """Show the progress bar."""
+
+
+# ---------------------------------------------------------------------------------------
+# sources
+
+
+def resolve_sources(sources: list[str]) -> tuple[Any, list[str], list[int], str]:
+    """``(pyarrow filesystem, file paths in it, their sizes, format)`` of ``sources``, sorted.
+
+    Raises:
+        DataError: a source matches no file, a file is of an unsupported type, formats are mixed,
+            every file is empty.
+    """
+    import pyarrow.fs as pafs
+
+    from ray_diloco.components.token_store import Location
+
+    if not sources:
+        raise DataError("prepare: no SOURCE given (files, directories or globs; or --dataset NAME)")
+    files: dict[str, int] = {}
+    fs = None
+    for src in sources:
+        loc = Location(src, "SOURCE") if "://" in src else None
+        sfs, path = (loc.fs, loc.root) if loc is not None else (pafs.LocalFileSystem(), str(Path(src).expanduser().absolute()))
+        fs = fs or sfs
+        if any(ch in path for ch in "*?["):
+            base = path[: min(path.index(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0] or "/"
+            infos = [i for i in sfs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+                     if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)]
+        else:
+            info = sfs.get_file_info(path)
+            if info.type == pafs.FileType.Directory:
+                infos = [i for i in sfs.get_file_info(pafs.FileSelector(path, recursive=True))
+                         if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith((".", "_"))]
+            else:
+                infos = [info] if info.type == pafs.FileType.File else []
+        if not infos:
+            raise DataError(f"SOURCE {src!r}: no such file, directory or matching file")
+        files.update({i.path: i.size for i in infos})
+    kinds = {}
+    for p in files:
+        kind = FORMATS.get(posixpath.splitext(p)[1].lower())
+        if kind is None:
+            raise DataError(f"SOURCE file {p!r}: unsupported type (allowed: {', '.join(sorted(FORMATS))})")
+        kinds.setdefault(kind, p)
+    if len(kinds) > 1:
+        raise DataError(f"SOURCE: mixes file types ({', '.join(f'{k}: {v}' for k, v in kinds.items())}); "
+                        "prepare each type into its own store")
+    paths = sorted(p for p, size in files.items() if size > 0)
+    if not paths:
+        raise DataError(f"SOURCE {', '.join(sources)}: every file is empty")
+    return fs, paths, [files[p] for p in paths], next(iter(kinds))
+
+
+def _read(fs: Any, paths: list[str], kind: str, opts: PrepareOptions):
+    """The Ray Data dataset of the source files (rows in file order; text files: a row per line)."""
+    import ray.data
+
+    if kind == "text":
+        return ray.data.read_text(paths, filesystem=fs, drop_empty_lines=False, include_paths=True,
+                                  num_cpus=READ_CPUS)
+    read = ray.data.read_json if kind == "json" else ray.data.read_parquet
+    return read(paths, filesystem=fs, include_paths=True, num_cpus=READ_CPUS)  # JSON: pyarrow's newline-delimited reader
+
+
+def _hub(opts: PrepareOptions, skip_rows: int):
+    """A streamed ``datasets`` source as a Ray dataset (``skip_rows`` rows skipped, untokenised)."""
+    import datasets
+    import ray.data
+
+    datasets.disable_progress_bars()
+    try:
+        hf = datasets.load_dataset(opts.dataset, opts.dataset_config, split=opts.split, streaming=True)
+        cols = hf.column_names or list(next(iter(hf)).keys())
+    except Exception as e:  # noqa: BLE001 - datasets raises many types (FileNotFoundError, ConnectionError, ...)
+        raise DataError(f"--dataset {opts.dataset!r}: cannot load ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if opts.text_field not in cols:
+        raise DataError(f"--text-field {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})")
+    hf = hf.select_columns([opts.text_field])
+    if skip_rows:
+        hf = hf.skip(skip_rows)
+    # streamed by one read task, in order (from_huggingface would try the hub's parquet export first)
+    from ray.data._internal.datasource.huggingface_datasource import HuggingFaceDatasource
+
+    return ray.data.read_datasource(HuggingFaceDatasource(dataset=hf), num_cpus=READ_CPUS)
+
+
+# ---------------------------------------------------------------------------------------
+# tokenizers
+
+
+def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES) -> list[str]:
+    """The first ``limit`` bytes of text of ``ds`` (a bounded sample, streamed)."""
+    out, size = [], 0
+    for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
+        for t in batch[column]:
+            if isinstance(t, str) and t:
+                out.append(t)
+                size += len(t)
+        if size >= limit:
+            break
+    return out
+
+
+def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
+    """The tokenizer of a prepare: ``char`` (the sample's characters, ``<unk>`` for the rest, and
+    an EOS), ``bpe`` (trained on the sample), or a name / directory / tokenizer.json file.
+
+    Raises:
+        DataError: it cannot be built or loaded.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from ray_diloco.components.data import bpe_tokenizer
+    from ray_diloco.config import DataConfig
+
+    if name == "char":
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        chars = sorted(set().union(*map(set, sample)) if sample else set())
+        vocab = {c: i for i, c in enumerate([*chars, "<unk>", EOS])}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
+    if name == "bpe":
+        if not sample:
+            raise DataError("prepare: no text in the source to train the BPE tokenizer on")
+        return bpe_tokenizer(sample, bpe_vocab_size)
+    if name.endswith(".json") and Path(name).expanduser().is_file():
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(name).expanduser()))
+        eos = next((t for t in (EOS, "</s>", "<eos>") if tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id)), None)
+        if eos is not None:
+            tok.eos_token = eos
+        return tok
+    from ray_diloco.components.data import build_tokenizer
+
+    return build_tokenizer(DataConfig(tokenizer=name), [])
+
+
+class Tokenize:
+    """The ``map_batches`` actor: one ``tokenizers.Tokenizer`` per actor.
+
+    A batch of rows becomes one output row: ``train``/``val`` (the tokens of the batch's rows of
+    each split, concatenated, EOS after each document, as raw bytes of ``dtype``), ``lengths``
+    (int64 per input row: its tokens, negative for the validation split, as raw bytes), ``rows``,
+    ``text_bytes`` and ``paths`` (a JSON list of ``[path, rows]`` runs).
+    """
+
+    def __init__(self, tokenizer_json: str, eos_id: int | None, column: str, lines: bool, val_fraction: float,
+                 dtype: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.eos, self.column, self.lines, self.dtype = eos_id, column, lines, np.dtype(dtype)
+        self.threshold = int(val_fraction * 2**32)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        texts = batch[self.column]
+        for i, t in enumerate(texts):
+            if t is not None and not isinstance(t, str):
+                raise DataError(f"--text-field {self.column!r}: values must be strings, a row holds "
+                                f"{type(t).__name__} {str(t)[:40]!r}")
+        texts = [(t or "") + ("\n" if self.lines else "") for t in texts]
+        enc = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+        eos = [self.eos] if (self.eos is not None and not self.lines) else []
+        ids = [e.ids + eos if t else [] for e, t in zip(enc, texts)]
+        val = np.array([zlib.crc32(t.encode()) < self.threshold for t in texts], dtype=bool)
+        lengths = np.array([len(x) for x in ids], dtype=np.int64)
+        flat = np.fromiter((i for x in ids for i in x), dtype=self.dtype, count=int(lengths.sum()))
+        mask = np.repeat(val, lengths)
+        paths = batch.get("path")
+        runs: list[list[Any]] = []
+        for p in (paths if paths is not None else []):
+            if runs and runs[-1][0] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([str(p), 1])
+        return {"train": np.array([flat[~mask].tobytes()], dtype=object),
+                "val": np.array([flat[mask].tobytes()], dtype=object),
+                "lengths": np.array([np.where(val, -lengths, lengths).tobytes()], dtype=object),
+                "rows": np.array([len(texts)]), "text_bytes": np.array([sum(len(t) for t in texts)]),
+                "paths": np.array([json.dumps(runs)], dtype=object)}
+
+
+# ---------------------------------------------------------------------------------------
+# the prepare
+
+
+def _check_options(o: PrepareOptions) -> None:
+    problems = []
+    if not 0 <= o.val_fraction < 1:
+        problems.append(f"--val-fraction = {o.val_fraction}: must be in [0, 1)")
+    if o.shard_tokens < 1024:
+        problems.append(f"--shard-tokens = {o.shard_tokens}: must be at least 1024")
+    if o.bpe_vocab_size < 260:
+        problems.append(f"--bpe-vocab-size = {o.bpe_vocab_size}: must be at least 260 (256 bytes and merges)")
+    if o.actors is not None and o.actors < 1:
+        problems.append(f"--actors = {o.actors}: must be at least 1")
+    if bool(o.sources) == bool(o.dataset):
+        problems.append("prepare: give SOURCE files or --dataset NAME (one of them)")
+    if not o.out:
+        problems.append("--out: required (a directory or a URI such as s3://bucket/store)")
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+def _data_error(e: BaseException) -> DataError | None:
+    """The DataError a Ray task raised, found in the chain of ``e`` (Ray wraps it)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, DataError):
+            return DataError(str(e))
+        e = getattr(e, "cause", None) or e.__cause__
+        seen += 1
+    return None
+
+
+def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
+    """``(reader(files_done) -> Ray dataset, source description)``; the description keys the rerun."""
+    if opts.dataset:
+        desc = {"dataset": opts.dataset, "config": opts.dataset_config, "split": opts.split, "lines": False}
+        return (lambda cursor: _hub(opts, cursor.get("rows", 0))), desc
+    fs, paths, sizes, kind = resolve_sources(opts.sources)
+    desc = {"files": paths, "bytes": sizes, "format": kind, "lines": kind == "text", "sources": opts.sources}
+    return (lambda cursor: _read(fs, paths[cursor.get("files_done", 0):], kind, opts)), desc
+
+
+def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, ds: Any, column: str):
+    """The run's tokenizer: the one a killed prepare saved in the store, else a new one (a sample
+    read from ``ds``, whose ``column`` is checked)."""
+    from ray_diloco.components.data import load_saved_tokenizer
+    from ray_diloco.components.token_store import TOKENIZER_DIR
+
+    if writer.loc.read_bytes(f"{TOKENIZER_DIR}/tokenizer.json") is not None and writer.loc.read_bytes("prepare-state.npz"):
+        local = writer.loc.get_dir(TOKENIZER_DIR, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
+                                   Path(__import__("tempfile").mkdtemp(prefix="ray-diloco-tok-")))
+        return load_saved_tokenizer(local)
+    first = next(iter(ds.iter_batches(batch_size=1, batch_format="numpy")), None)
+    if first is None:
+        raise DataError(f"SOURCE {opts.dataset or ', '.join(opts.sources)}: no rows")
+    if column not in first:
+        raise DataError(f"--text-field {column!r}: not a column of the source (columns: "
+                        f"{', '.join(k for k in first if k != 'path')})")
+    sample = _sample(ds, column, SAMPLE_BYTES if opts.tokenizer in ("char", "bpe") else 1)
+    tok = build_prepare_tokenizer(opts.tokenizer, sample, opts.bpe_vocab_size)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        writer.loc.put_dir(Path(tmp), TOKENIZER_DIR)
+    return tok
+
+
+def _init_ray(address: str | None) -> bool:
+    import ray
+
+    import logging
+
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)
+    import os
+
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30))
+    return True
+
+
+def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str, Any]:
+    """Tokenise ``opts.sources`` (or ``opts.dataset``) into the store ``opts.out``; returns its
+    manifest. Starts a local Ray unless one is running (or ``address`` is given).
+
+    Raises:
+        DataError: bad options, a missing or empty source, a missing text field, an existing
+            finished store at ``out``, a full disk (the manifest is not written; a rerun continues).
+    """
+    import ray
+    from ray.data import DataContext
+
+    _check_options(opts)
+    from ray_diloco.components.token_store import Location
+
+    if Location(opts.out, "--out").read_bytes("manifest.json") is not None:
+        raise DataError(f"--out {opts.out!r}: already holds a prepared store (manifest.json); "
+                        "choose another --out or delete it")
+    make, desc = _source(opts)  # a missing or empty source fails before Ray starts
+    started = _init_ray(address)
+    try:
+        ctx = DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # shards in source order: a rerun continues them
+        ctx.enable_progress_bars = False
+        ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+            object_store_memory=OBJECT_STORE_BYTES)
+        return _run(opts, make, desc)
+    except (ray.exceptions.RayError, RuntimeError) as e:
+        err = _data_error(e)
+        if err is not None:
+            raise err from None
+        raise DataError(f"prepare failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}") from None
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    column = "text" if desc["lines"] else opts.text_field
+    writer = StoreWriter(opts.out, 1 << 16, opts.shard_tokens)  # vocabulary set below
+    tok = _tokenizer_for(opts, writer, make({}), column)
+    from ray_diloco.components.token_store import dtype_for
+
+    tok_json = tok.backend_tokenizer.to_str()
+    key = {**desc, **{k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "shard_tokens")},
+           "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest()}
+    writer.fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    writer.vocab_size, writer.dtype = len(tok), dtype_for(len(tok))
+    cursor = writer.resume() or {}
+    if cursor:
+        print(f"prepare: continuing {opts.out}: {sum(len(v) for v in writer.shards.values())} finished shards kept",
+              file=sys.stderr)
+    actors = opts.actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    ds = make(cursor).map_batches(
+        Tokenize, batch_size=opts.batch_rows, batch_format="numpy", concurrency=actors, num_cpus=ACTOR_CPUS,
+        fn_constructor_kwargs={"tokenizer_json": tok_json, "eos_id": tok.eos_token_id, "column": column,
+                               "lines": desc["lines"], "val_fraction": opts.val_fraction, "dtype": writer.dtype.str})
+    _consume(ds, writer, desc, cursor, opts)
+    meta = {"split": {"method": "hash", "val_fraction": opts.val_fraction}, "order": "feistel",
+            "source": {k: v for k, v in desc.items() if k not in ("files", "bytes")} | {"files": len(desc.get("files", []))},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    manifest = writer.finish(tok, meta)
+    print(f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
+          f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "
+          f"{sum(len(v) for v in manifest['shards'].values())} shards", file=sys.stderr)
+    return manifest
+
+
+def _consume(ds: Any, writer: StoreWriter, desc: dict[str, Any], cursor: dict[str, Any], opts: PrepareOptions) -> None:
+    """Append the tokenised batches, in source order, to ``writer``, tracking the source cursor."""
+    from tqdm import tqdm
+
+    files = desc.get("files")
+    index = {p: i for i, p in enumerate(files or [])}
+    cur = dict(cursor) or ({"files_done": 0, "rows_after": 0} if files else {"rows": 0})
+    skip = cur.get("rows_after", 0) if files else 0  # rows of a half-done file: tokenised again, dropped
+    done_bytes = sum(desc["bytes"][: cur.get("files_done", 0)]) if files else 0
+    bar = tqdm(total=sum(desc["bytes"]) if files else None, initial=done_bytes, unit="B", unit_scale=True,
+               desc="prepare", disable=not opts.progress, file=sys.stderr, smoothing=0.1)
+    tokens = sum(e["tokens"] for s in writer.shards.values() for e in s) + sum(writer.buffered.values())
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        for i in range(len(batch["rows"])):
+            train = np.frombuffer(batch["train"][i], dtype=writer.dtype)
+            val = np.frombuffer(batch["val"][i], dtype=writer.dtype)
+            lengths = np.frombuffer(batch["lengths"][i], dtype=np.int64)
+            if skip:
+                k = min(skip, len(lengths))
+                head = lengths[:k]
+                train, val = train[int(head[head > 0].sum()):], val[int(-head[head < 0].sum()):]
+                lengths, skip = lengths[k:], skip - k
+            if files:
+                for path, n in json.loads(batch["paths"][i]):
+                    j = index.get(path, index.get(path.split("://", 1)[-1]))
+                    if j is not None and j != cur["files_done"]:
+                        cur = {"files_done": j, "rows_after": 0}
+                    cur["rows_after"] += n
+            else:
+                cur["rows"] += int(batch["rows"][i])
+            writer.add(train, val, dict(cur), (int((lengths > 0).sum()), int((lengths < 0).sum())))
+            tokens += len(train) + len(val)
+            bar.update(int(batch["text_bytes"][i]))
+            bar.set_postfix(docs=f"{sum(writer.documents.values()):,}", tokens=f"{tokens:,}", refresh=False)
+    bar.close()

@@ -1,0 +1,116 @@
+"""``ray-diloco prepare`` (issue 15) on a real local Ray and real Ray Data: text, JSONL and a
+``datasets`` source, the val split by hash, a killed prepare that continues, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, SHAKESPEARE, run_cli
+
+from ray_diloco.components.prepare import PrepareOptions, prepare_store
+from ray_diloco.components.token_store import TokenStore
+from ray_diloco.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    """Three text files of real text (90 kB)."""
+    d = tmp_path_factory.mktemp("src")
+    text = SHAKESPEARE.read_text()
+    for i in range(3):
+        (d / f"part{i}.txt").write_text(text[i * 30000 : (i + 1) * 30000])
+    return d
+
+
+def test_text_files_are_tokenised_in_order_and_read_back(ray_session, text_dir, tmp_path):
+    m = prepare_store(PrepareOptions(sources=[str(text_dir)], out=str(tmp_path / "s"), tokenizer="bpe",
+                                     bpe_vocab_size=400, val_fraction=0.0, shard_tokens=5000, progress=False))
+    st = TokenStore(str(tmp_path / "s"))
+    assert m["tokens"]["val"] == 0 and len(m["shards"]["train"]) > 3
+    assert all(e["tokens"] == 5000 for e in m["shards"]["train"][:-1])
+    tr = st.split("train")
+    parts = [(text_dir / f"part{i}.txt").read_text() for i in range(3)]
+    text = "".join(p if p.endswith("\n") else p + "\n" for p in parts)  # a row per line, newline kept
+    assert st.tokenizer().decode(tr.to_array().tolist()) == text  # every line once, in source order
+
+
+def test_jsonl_val_split_is_by_hash_of_the_document(ray_session, tmp_path):
+    src = tmp_path / "docs.jsonl"
+    docs = [f"document {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(30)) for i in range(400)]
+    src.write_text("".join(json.dumps({"body": d, "n": i}) + "\n" for i, d in enumerate(docs)))
+    m = prepare_store(PrepareOptions(sources=[str(src)], out=str(tmp_path / "s"), tokenizer="char", text_field="body",
+                                     val_fraction=0.2, shard_tokens=4096, actors=2, progress=False))
+    want_val = [d for d in docs if zlib.crc32(d.encode()) < int(0.2 * 2**32)]
+    assert m["documents"] == {"train": 400 - len(want_val), "val": len(want_val)}
+    st = TokenStore(str(tmp_path / "s"))
+    tok = st.tokenizer()
+    val = st.split("val").to_array()
+    assert (val == tok.eos_token_id).sum() == len(want_val)  # EOS after every document
+    assert tok.decode(val.tolist(), skip_special_tokens=True) == "".join(want_val)
+    with pytest.raises(DataError, match=r"--text-field 'text': not a column of the source \(columns: body, n\)"):
+        prepare_store(PrepareOptions(sources=[str(src)], out=str(tmp_path / "s2"), tokenizer="char", progress=False))
+    assert not (tmp_path / "s2" / "manifest.json").exists()
+
+
+def test_a_datasets_source_is_streamed_through_the_hub_code_path(ray_session, tmp_path):
+    ds_dir = tmp_path / "local_dataset"  # load_dataset(DIR, streaming=True): the hub loader on local files
+    ds_dir.mkdir()
+    (ds_dir / "train.jsonl").write_text("".join(json.dumps({"content": f"row {i} " * 20}) + "\n" for i in range(300)))
+    m = prepare_store(PrepareOptions(dataset=str(ds_dir), split="train", out=str(tmp_path / "s"), tokenizer="char",
+                                     text_field="content", val_fraction=0.1, shard_tokens=2048, progress=False))
+    assert sum(m["documents"].values()) == 300 and m["source"]["dataset"] == str(ds_dir)
+    assert m["tokens"]["train"] + m["tokens"]["val"] == sum(len(f"row {i} " * 20) + 1 for i in range(300))
+
+
+def test_bad_sources_are_one_line_errors(tmp_path):
+    r = run_cli(["prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "s")], timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: SOURCE ") and "no such file" in r.stderr
+    (tmp_path / "empty.txt").write_text("")
+    r = run_cli(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s")], timeout=120)
+    assert r.returncode == 2 and "every file is empty" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s"), "--val-fraction", "1.5"])
+    assert r.returncode == 2 and "--val-fraction = 1.5: must be in [0, 1)" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    text = SHAKESPEARE.read_text()
+    for i in range(8):
+        (src / f"p{i}.txt").write_text(text[i * 120000 : (i + 1) * 120000])
+    args = ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
+            "--actors", "1", "--no-progress"]
+    ref = run_cli([*args, "--out", str(tmp_path / "ref")], timeout=300)
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args, "--out", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (out / "train-00003.bin").exists():  # several shards finished, more to come
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (out / "manifest.json").exists() and (out / "prepare-state.npz").exists()
+    kept = {f.name: f.stat().st_ino for f in out.glob("train-*.bin")}
+    with pytest.raises(DataError, match="its prepare has not finished: rerun it to continue"):
+        TokenStore(str(out))
+    r = run_cli([*args, "--out", str(out)], timeout=300)
+    assert r.returncode == 0 and "finished shards kept" in r.stderr, r.stderr
+    a, b = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "ref", out))
+    assert a["shards"] == b["shards"] and a["documents"] == b["documents"]  # the same store as one uninterrupted run
+    state_shards = [n for n in kept if int(n[6:11]) < len(kept) - 1]
+    assert state_shards and all((out / n).stat().st_ino == kept[n] for n in state_shards)  # not rewritten
+    assert np.array_equal(TokenStore(str(out)).split("val").to_array(), TokenStore(str(tmp_path / "ref")).split("val").to_array())
