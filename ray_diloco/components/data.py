@@ -35,14 +35,19 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", "
 class Corpus:
     """Tokenised corpus. ``train``/``val``: int32 token ids, shape ``[n_tokens]``."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: Any  # np.ndarray, or a token_store.TokenSplit (same len and slicing)
+    val: Any
     vocab_size: int
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    store_id: str | None = None
 
     @property
     def fingerprint(self) -> str:
-        """sha256 (first 16 hex digits) of both token streams: detects a changed corpus on resume."""
+        """What a checkpoint records to detect a changed corpus on resume: ``store:ID`` for a
+        prepared store (its manifest's checksums, no data read), else the sha256 (first 16 hex
+        digits) of both token streams."""
+        if self.store_id is not None:
+            return f"store:{self.store_id}"
         h = hashlib.sha256()
         h.update(self.train.tobytes())
         h.update(self.val.tobytes())
@@ -208,6 +213,33 @@ def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
+#: Validation tokens an evaluation reads when ``run.eval_tokens`` is None (at most).
+EVAL_TOKENS = 1 << 20
+
+
+def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
+    """The corpus of the store ``cfg.prepared`` (:mod:`~ray_diloco.components.token_store`):
+    ``train``/``val`` are :class:`TokenSplit` s (nothing is read but the manifest and tokenizer).
+    ``tokenizer`` (a resumed run's) must be the store's.
+
+    Raises:
+        DataError: not a store, another tokenizer than the run's, a split too short for ``seq_len``.
+    """
+    from ray_diloco.components.token_store import TokenStore
+
+    store = TokenStore(cfg.prepared)
+    tok = store.tokenizer()
+    if tokenizer is not None and tokenizer.backend_tokenizer.to_str() != tok.backend_tokenizer.to_str():
+        raise DataError(f"data.prepared = {cfg.prepared!r}: its tokenizer differs from the run's (tokenizer/); "
+                        "a run reads the store it was trained on")
+    train, val = store.split("train"), store.split("val")
+    need = cfg.seq_len + 1
+    if len(train) < 2 * need or len(val) < need:
+        raise DataError(f"data.prepared = {cfg.prepared!r}: {len(train)} train / {len(val)} validation tokens; "
+                        f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}")
+    return Corpus(train=train, val=val, vocab_size=store.vocab_size, tokenizer=tok, store_id=store.id)
+
+
 def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Any = None) -> Corpus:
     """Load, tokenise and split the corpus.
 
@@ -217,6 +249,8 @@ def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: A
     Raises:
         DataError: when loading fails or a split is shorter than one sequence.
     """
+    if cfg.prepared is not None:
+        return open_prepared(cfg, tokenizer)
     texts = load_texts(cfg)
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg, texts)

@@ -79,6 +79,10 @@ class ModelConfig:
 class DataConfig:
     """Where the text comes from and how it is tokenised and packed."""
 
+    prepared: str | None = None
+    """A token store made by ``ray-diloco prepare`` (a directory, or a URI such as ``s3://bucket/store``):
+    workers read their own windows from its shards, memory-mapped or fetched on demand; ``path``,
+    ``dataset``, ``tokenizer``, ``val_fraction`` do not apply (the store fixes them). None: ``path``."""
     path: str | None = None
     """Local text file: .txt/.md/.text, .jsonl/.json, .parquet or .csv; None: ``dataset`` when set, else
     the bundled Tiny Shakespeare."""
@@ -244,6 +248,9 @@ class RunConfig:
     """Outer steps between evaluations of the global parameters (0: only at the end)."""
     eval_batch: int = 64
     """Sequences per evaluation forward pass."""
+    eval_tokens: int | None = None
+    """Validation tokens an evaluation reads (the first ones of the validation split, spread over the
+    workers); None: the whole validation split up to 1,048,576 tokens."""
     checkpoint_every: int = 10
     """Outer steps between checkpoints (0: only at the end)."""
     keep_checkpoints: int = 3

@@ -136,6 +136,11 @@ def _check_data(cfg: Config, e: list[str]) -> None:
     _need(e, dc.bpe_vocab_size >= 32, "data.bpe_vocab_size", dc.bpe_vocab_size, "must be >= 32")
     _need(e, dc.max_documents is None or dc.max_documents >= 1, "data.max_documents", dc.max_documents,
           "must be >= 1")
+    if dc.prepared is not None and (dc.path is not None or dc.dataset is not None):
+        e.append(f"data.prepared = {dc.prepared!r}: a prepared store replaces data.path and data.dataset; "
+                 "set only one of them")
+    _need(e, dc.prepared is None or (isinstance(dc.prepared, str) and dc.prepared.strip() != ""), "data.prepared",
+          dc.prepared, "must be a store directory or URI (made by ray-diloco prepare)")
     if dc.path is not None and not Path(dc.path).expanduser().exists():
         e.append(f"data.path = {dc.path!r}: file not found")
     elif dc.path is not None and not Path(dc.path).expanduser().is_file():
@@ -194,6 +199,8 @@ def _check_run(cfg: Config, e: list[str]) -> None:
     _need(e, 0 <= r.seed < 2**32, "run.seed", r.seed, "must be an integer in [0, 2**32)")
     _need(e, r.eval_every >= 0, "run.eval_every", r.eval_every, "must be >= 0 outer steps (0: only at the end)")
     _need(e, r.eval_batch >= 1, "run.eval_batch", r.eval_batch, "must be an integer >= 1")
+    _need(e, r.eval_tokens is None or r.eval_tokens > cfg.data.seq_len, "run.eval_tokens", r.eval_tokens,
+          f"must be an integer > data.seq_len = {cfg.data.seq_len} (or none: the validation split up to 1M tokens)")
     _need(e, r.checkpoint_every >= 0, "run.checkpoint_every", r.checkpoint_every,
           "must be >= 0 outer steps (0: only at the end)")
     _need(e, r.name is None or (r.name not in ("", ".", "..") and "/" not in r.name and "\\" not in r.name),
