@@ -114,3 +114,14 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None):
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "ray_diloco.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=e, cwd=str(ROOT))
+
+
+def start_trainer(cfg, corpus, model_fn=None, resume_state=None):
+    """A started :class:`~ray_diloco.runtime.trainer.Trainer` in a new run directory of ``cfg``:
+    the outer-step loop driven by hand (``t.outer_step(k)``) in integration tests."""
+    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.trainer import Trainer
+
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn, resume_state)
+    t.start()
+    return t

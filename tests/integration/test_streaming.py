@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, tiny_overrides, torch_lm
+from conftest import run_cli, start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.errors import ConfigError
@@ -18,8 +18,6 @@ from ray_diloco.models.transformer import build_transformers_model, resolve_mode
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import FORMATS, from_message, message_nbytes, quantize_message, to_message
 from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
-from ray_diloco.runtime.launcher import _new_run_dir
-from ray_diloco.runtime.trainer import Trainer
 
 # ---------------------------------------------------------------------------------------
 # fragments
@@ -215,12 +213,6 @@ def two_blocks_fn(shape, vocab_size):
     return TwoBlocks(vocab_size)
 
 
-def _trainer(cfg, corpus, model_fn=torch_lm, resume_state=None):
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn, resume_state)
-    t.start()
-    return t
-
-
 @pytest.mark.parametrize("tau", [0, 1])
 def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
     """2 replicas, 2 fragments, H=6, outer SGD lr 2 without momentum, tau in {0, 1}, alpha in
@@ -241,7 +233,7 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
             inner__lr=2.0 ** -6, inner__beta1=0.0, inner__beta2=0.0, inner__eps=2.0 ** -30, inner__weight_decay=0.0,
             inner__warmup_steps=0, inner__min_lr_ratio=1.0, inner__grad_clip=0.0,
             run__name=f"n-{tau}-{alpha}-{closing}"))
-        t = _trainer(cfg, corpus, two_blocks_fn)
+        t = start_trainer(cfg, corpus, two_blocks_fn)
         try:
             assert t.num_fragments == 2
             for k in range(1, 4):
@@ -328,7 +320,7 @@ def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_sess
                                      streaming__fragments=1, streaming__overlap_steps=0,
                                      streaming__quantization="none"))
     ref = ray.remote(num_cpus=1)(_core_diloco_reference).remote(cfg.to_dict(), corpus.train, corpus.vocab_size, 3)
-    t = _trainer(cfg, corpus, None)  # the transformers preset, as the reference builds it
+    t = start_trainer(cfg, corpus, None)  # the transformers preset, as the reference builds it
     try:
         ours = [t.outer_step(k)["global_sha256"] for k in (1, 2, 3)]
     finally:
@@ -344,7 +336,7 @@ def test_fp4_streaming_keeps_every_replica_bitwise_on_the_driver(ray_session, tm
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0,
                                      diloco__H=4, run__steps=12, streaming__fragments=2,
                                      streaming__quantization="fp4_e3m0", streaming__error_feedback=True))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         sizes = [message_nbytes(f.numel, "fp4_e3m0") for f in t.fragments]
         for k in (1, 2, 3):
@@ -369,7 +361,7 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
                 diloco__H=8, run__steps=24, streaming__fragments=2, streaming__overlap_steps=1,
                 streaming__quantization="fp4_e3m0", streaming__error_feedback=True)
     cfg = load_config(tiny_overrides(tmp_path, run__name="a", **over))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         rows = []
         for k in (1, 2, 3):
@@ -381,7 +373,7 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
     state = load_checkpoint(ckpt / "state.pt")
     assert any(w["pending"] for w in state["workers"].values())  # fragment 0 was in flight
     cfg_b = load_config(tiny_overrides(tmp_path, run__name="b", **over))
-    t2 = _trainer(cfg_b, corpus, resume_state=state)
+    t2 = start_trainer(cfg_b, corpus, torch_lm, state)
     try:
         again = t2.outer_step(3)
     finally:
@@ -400,7 +392,7 @@ def test_overlap_hides_the_emulated_link(ray_session, tmp_path, corpus):
             tmp_path, run__name=f"wan-{tau}", run__eval_every=0, run__checkpoint_every=0, diloco__H=10, run__steps=40,
             model__n_layers=4, model__d_model=128, model__d_ff=352, model__n_heads=4, model__context=64,
             data__seq_len=64, inner__global_batch=16, streaming__overlap_steps=tau, network__latency_ms=30.0))
-        t = _trainer(cfg, corpus)
+        t = start_trainer(cfg, corpus, torch_lm)
         try:
             rows = [t.outer_step(k) for k in (1, 2, 3)]
         finally:
@@ -415,7 +407,7 @@ def test_dp_under_emulation_counts_ring_allreduce_bytes(ray_session, tmp_path, c
     ring all-reduce formula 2 N (R-1)/R x 4 for N fp32 gradients, R=2."""
     cfg = load_config(tiny_overrides(tmp_path, algorithm="dp", run__eval_every=0, run__checkpoint_every=0,
                                      run__steps=5, network__bandwidth_gbps=10.0))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         row = t.outer_step(1)
     finally:

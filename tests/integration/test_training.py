@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides, torch_lm
+from conftest import start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.components.data import ShardReader, val_windows
@@ -21,14 +21,7 @@ from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.models.transformer import build_model, make_inner_optimizer
 from ray_diloco.core.schedules import inner_lr
-from ray_diloco.runtime.launcher import _new_run_dir, train
-from ray_diloco.runtime.trainer import Trainer
-
-
-def _trainer(cfg, tmp_path, corpus, model_fn=None):
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn)
-    t.start()
-    return t
+from ray_diloco.runtime.launcher import train
 
 
 def test_m1_lr1_mu0_is_plain_adamw(ray_session, tmp_path, corpus):
@@ -36,7 +29,7 @@ def test_m1_lr1_mu0_is_plain_adamw(ray_session, tmp_path, corpus):
     replica's local parameters, and equal a plain single-process AdamW loop on the same batches."""
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__H=4, run__steps=12,
                                      outer__name="sgd", outer__lr=1.0, outer__momentum=0.0, model__family="llama"))
-    t = _trainer(cfg, tmp_path, corpus)
+    t = start_trainer(cfg, corpus)
     try:
         # the plain loop: same init, same shard, same AdamW, same lr schedule, same clipping
         model = build_model(cfg, corpus.vocab_size)
@@ -71,7 +64,7 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=15))
-    t = _trainer(cfg, tmp_path, corpus, torch_lm)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         workers = [r.rank0 for r in t.replicas]
         start = ray.get([w.params_hash.remote() for w in workers])
@@ -115,7 +108,7 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10))
-    t = _trainer(cfg, tmp_path, corpus, odd_model_fn)
+    t = start_trainer(cfg, corpus, odd_model_fn)
     try:
         (g0,) = ray.get(t.outer.global_params.remote())
         row = t.outer_step(1)
@@ -171,7 +164,7 @@ def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2, run__steps=10))
-    t = _trainer(cfg, tmp_path, corpus, torch_lm)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         t.outer_step(1)
         w = t.replicas[0].workers
@@ -196,7 +189,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
     import ray
 
     cfg = load_config(tiny_overrides(tmp_path, run__precision="bf16", run__steps=10, model__family="qwen3"))
-    t = _trainer(cfg, tmp_path, corpus)
+    t = start_trainer(cfg, corpus)
     try:
         rows = [t.outer_step(k) for k in (1, 2)]
         assert all(np.isfinite(r["train_loss"]) for r in rows) and rows[1]["train_loss"] < rows[0]["train_loss"]
