@@ -1,0 +1,50 @@
+"""The wire protocol (core/wire.py): what the driver encodes is what every receiver decodes, bit for
+bit; replies without a message leave the global fragment alone; resyncs carry full precision; the
+byte accounting follows its formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_diloco.config import QUANTIZATION_FORMATS
+from ray_diloco.core.wire import (OK, Reply, apply_downlink, communication_summary, decode_reply,
+                                  dp_equivalent_bytes, encode_downlink, link_delay_s)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZATION_FORMATS)
+def test_the_driver_adopts_exactly_what_receivers_decode(fmt):
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(1000, generator=g)
+    new = old + 0.01 * torch.randn(1000, generator=g)
+    message, applied, residual = encode_downlink(old, new, fmt)
+    received = decode_reply(old, Reply(OK, 1, message))
+    assert torch.equal(received, applied) and torch.equal(apply_downlink(old, message), applied)
+    if fmt == "none":
+        assert torch.equal(applied, new) and residual is None
+    else:  # quantised update: close to the step, and the residual is exactly what was lost
+        assert not torch.equal(applied, new) and torch.allclose(applied, new, atol=0.05)
+        assert torch.allclose(residual, (new - old) - (applied - old), atol=1e-6)
+
+
+def test_replies_without_a_message_and_resyncs():
+    old = torch.arange(8, dtype=torch.float32)
+    assert decode_reply(old, Reply(OK, 3)) is old and Reply(OK, 3).nbytes == 0
+    current = torch.full((8,), 2.5)
+    message, _, _ = encode_downlink(old, current, "none")
+    resync = Reply("dropped", 5, message, resync=True)
+    assert torch.equal(decode_reply(old, resync), current) and resync.nbytes == len(message)
+    with pytest.raises(ValueError, match="values"):
+        decode_reply(torch.zeros(7), resync)
+    with pytest.raises(ValueError, match="values"):
+        apply_downlink(torch.zeros(7), encode_downlink(torch.zeros(8), torch.ones(8), "int8")[0])
+
+
+def test_byte_accounting():
+    assert link_delay_s(10**9, 8.0, 20.0) == pytest.approx(1.02)  # 8 Gbit over 8 Gbit/s + 20 ms
+    assert link_delay_s(10**9, None, 0.0) == 0.0
+    assert dp_equivalent_bytes(1000, 10, 4, 4) == 2 * 1000 * 3 // 4 * 4 * 10 and dp_equivalent_bytes(1000, 10, 1) == 0
+    s = communication_summary(1000, 10, 2, bytes_up=800, bytes_down=400, peak_sync_bytes=60)
+    assert (s["bytes_up_per_replica"], s["bytes_down_per_replica"]) == (400, 200)
+    assert s["dp_fp32_bytes_per_replica"] == 2 * dp_equivalent_bytes(1000, 10, 2, 4)
+    assert s["fewer_bytes_than_dp_fp32"] == pytest.approx(s["dp_fp32_bytes_per_replica"] / 600)
