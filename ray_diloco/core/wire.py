@@ -93,7 +93,7 @@ class Reply:
 
 def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
     """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
-    without a message, the resync values, or ``exchange.apply_downlink(old, message)``.
+    without a message, the resync values, or :func:`apply_downlink` ``(old, message)``.
 
     Raises:
         ValueError: malformed message or wrong number of values.

@@ -95,8 +95,8 @@ def _repo_path(token: str) -> Path | None:
     """The repository file a command-line token or inline-code span names, or None when it
     names none (URLs, run outputs, placeholders such as NAME or <run>)."""
     token = token.rstrip("/")
-    if "/" not in token or "<" in token or re.match(r"^\w+://", token):
-        return None
+    if "/" not in token or "<" in token or re.match(r"^\w+://", token) or token.startswith(("/", "~")):
+        return None  # an absolute path is the user's own (/data/stores/...), not the repository's
     parts = token.split("/")
     if any(re.fullmatch(r"[A-Z][A-Z_0-9]*(\.\w+)?", part) for part in parts):
         return None  # tune_spaces/NAME.yaml: a placeholder
