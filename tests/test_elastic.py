@@ -139,9 +139,46 @@ def _trainer(cfg, corpus, resume_state=None):
 
 
 def _kill(worker) -> None:
+    """SIGKILL ``worker`` now: its ``pid`` is answered on the actor's control thread, also while
+    it is busy in ``train`` (so the kill lands in the running round, not after it)."""
     import ray
 
-    os.kill(ray.get(worker.pid.remote()), signal.SIGKILL)
+    os.kill(ray.get(worker.pid.remote(), timeout=10), signal.SIGKILL)
+
+
+def test_a_replica_killed_mid_round_does_not_report_that_round(ray_session, tmp_path, corpus):
+    """A replica killed 0.3 s into a round of several seconds dies in it: its ``pid`` is
+    answered while it trains (long before the round ends), it reports no loss for that round,
+    the round ends as a death, and the survivor holds the driver's global parameters."""
+    import ray
+
+    cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=300, run__eval_every=0,
+                                     run__checkpoint_every=0, diloco__H=150, diloco__cpus_per_worker=0.5,
+                                     network__latency_ms=1.0))
+    t = _trainer(cfg, corpus)
+    try:
+        victim = t.replicas[1]
+        asked = {}
+
+        def kill_soon():
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            _kill(victim.rank0)
+            asked["pid_s"] = time.monotonic() - t0
+
+        killer = threading.Thread(target=kill_soon)
+        t0 = time.monotonic()
+        killer.start()
+        row = t.outer_step(1)
+        killer.join()
+        round_s = time.monotonic() - t0
+        print(f"\npid answered in {asked['pid_s']:.3f} s of a {round_s:.2f} s round")
+        assert asked["pid_s"] < 0.5 * round_s, (asked, round_s)  # answered mid-round, not after it
+        assert f"replica_{victim.index}" not in row["train_loss_replica"], row["train_loss_replica"]
+        assert row["membership"]["death"] == 1 and row["replicas_live"] == 1
+        assert set(row["worker_global_sha256"]) == {row["global_sha256"]}
+    finally:
+        t.shutdown()
 
 
 def _object_store_bytes() -> int:
@@ -365,7 +402,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
             for k in range(1, 10):
                 killer = None
                 if k in kills:
-                    killer = threading.Thread(target=_chaos_kill, args=(t, kills[k]))
+                    killer = threading.Thread(target=_chaos_kill, args=(t, kills[k], victims.setdefault(name, {}), k))
                     killer.start()
                 rows.append(t.outer_step(k))
                 if killer is not None:
@@ -374,6 +411,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
         finally:
             t.shutdown()
 
+    victims: dict[str, dict[int, int]] = {}
     clean_rows, clean_loss = run("clean", {})
     rng = random.Random()
     steps = sorted(rng.sample(range(2, 8), 3))
@@ -386,15 +424,18 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
     for r in rows:  # (a round may end with no replica alive until the replacements join)
         assert len(r["worker_global_sha256"]) == r["replicas_live"], r["outer_step"]
         assert set(r["worker_global_sha256"]) <= {r["global_sha256"]}, (r["outer_step"], r.get("events"), kills)
+    for k, m in victims["chaos"].items():  # each kill landed inside its round: no loss reported for it
+        assert f"replica_{m}" not in rows[k - 1]["train_loss_replica"], (k, m, kills, rows[k - 1].get("events"))
+    assert len(victims["chaos"]) == 3, victims
     deaths = sum(r.get("membership", {}).get("death", 0) for r in rows[-1:])
     assert deaths == 3, rows[-1].get("membership")
     assert rows[-1]["membership"].get("join", 0) >= 1
     assert abs(loss - clean_loss) / clean_loss < 0.03, (loss, clean_loss, kills)
 
 
-def _chaos_kill(t, mode: str) -> None:
+def _chaos_kill(t, mode: str, victims: dict[int, int], k: int) -> None:
     """Kill a random live replica's rank 0: after a random delay (``inner``) or as soon as a
-    sync round is open on the driver (``exchange``)."""
+    sync round is open on the driver (``exchange``); ``victims[k]`` <- the replica's id."""
     import ray
 
     rng = random.Random()
@@ -404,10 +445,12 @@ def _chaos_kill(t, mode: str) -> None:
         deadline = time.monotonic() + 30
         while ray.get(t.outer.pending_rounds.remote()) == 0 and time.monotonic() < deadline:
             time.sleep(0.002)
-    victims = list(t.replicas)
-    if victims:
+    live = list(t.replicas)
+    if live:
+        victim = rng.choice(live)
         try:
-            _kill(rng.choice(victims).rank0)
+            _kill(victim.rank0)
+            victims[k] = victim.index
         except ray.exceptions.RayError:
             pass  # it died on its own meanwhile
 

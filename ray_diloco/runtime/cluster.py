@@ -199,10 +199,9 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from ray_diloco.runtime.replica import ReplicaWorker
+    from ray_diloco.runtime.replica import ReplicaWorkerActor as Worker
 
     d = cfg.diloco
-    Worker = ray.remote(ReplicaWorker)
     for rank in range(world):
         r.workers.append(Worker.options(
             num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,

@@ -39,6 +39,10 @@ from ray_diloco.core.wire import link_delay_s
 from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
 from ray_diloco.runtime.link import Link
 
+#: The worker actor's concurrency group for calls that must be answered while ``train`` runs
+#: (they touch no training state); every other call runs one at a time on the default group.
+CONTROL_GROUP = "control"
+
 
 def _dp_emulation_hook(worker: "ReplicaWorker"):
     """DDP comm hook for the DP baseline under WAN emulation (``ReplicaWorker(allreduce_emulation=True)``):
@@ -158,8 +162,10 @@ class ReplicaWorker:
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     def pid(self) -> int:
-        """This worker's process id (for operators and fault-injection tests)."""
+        """This worker's process id (operators, fault injection); answered on the ``control``
+        concurrency group, also while :meth:`train` runs, so a kill lands in the running round."""
         return os.getpid()
 
     def data_windows(self) -> np.ndarray:
@@ -376,3 +382,7 @@ class ReplicaWorker:
 
             dist.destroy_process_group()
             self.group = False
+
+
+#: The worker as a Ray actor class (options such as CPUs and placement are set per actor).
+ReplicaWorkerActor = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ReplicaWorker)
