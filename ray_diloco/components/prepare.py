@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter, TokenStore
-from ray_diloco.errors import DataError
+from ray_diloco.errors import ClusterError, DataError
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
            ".parquet": "parquet"}
@@ -283,6 +283,9 @@ def _check_options(o: PrepareOptions) -> None:
         problems.append("prepare: give SOURCE files or --dataset NAME (one of them)")
     if not o.out:
         problems.append("--out: required (a directory or a URI such as s3://bucket/store)")
+    elif "://" not in o.out and (blocker := next((q for q in [Path(o.out).expanduser(), *Path(o.out).expanduser().parents]
+                                                  if q.exists()), None)) is not None and not blocker.is_dir():
+        problems.append(f"--out = {o.out!r}: {blocker} is a file, not a directory (a store is a directory)")
     if problems:
         raise DataError("; ".join(problems))
 
@@ -345,8 +348,13 @@ def _init_ray(address: str | None) -> bool:
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
     if ray.is_initialized():
         return False
-    ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30))
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                 object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30))
+    except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
+        what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
+        raise ClusterError(f"--address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                           ) from None
     return True
 
 

@@ -80,6 +80,10 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     assert r.returncode == 2 and "every file is empty" in r.stderr and "Traceback" not in r.stderr
     r = run_cli(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s"), "--val-fraction", "1.5"])
     assert r.returncode == 2 and "--val-fraction = 1.5: must be in [0, 1)" in r.stderr
+    (tmp_path / "a_file").write_text("keep me")  # --out under a file: refused before Ray starts, the file kept
+    r = run_cli(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "a_file" / "store")], timeout=120)
+    assert r.returncode == 2 and "is a file, not a directory" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "a_file").read_text() == "keep me"
 
 
 @pytest.mark.slow
