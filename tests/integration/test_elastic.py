@@ -427,8 +427,9 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
     for k, m in victims["chaos"].items():  # each kill landed inside its round: no loss reported for it
         assert f"replica_{m}" not in rows[k - 1]["train_loss_replica"], (k, m, kills, rows[k - 1].get("events"))
     assert len(victims["chaos"]) == 3, victims
-    deaths = sum(r.get("membership", {}).get("death", 0) for r in rows[-1:])
-    assert deaths == 3, rows[-1].get("membership")
+    deaths = [e for r in rows for e in r.get("events", []) if e["event"] == "death"]
+    killed = [e for e in deaths if not str(e.get("reason", "")).startswith("unresponsive")]
+    assert len(killed) == 3, deaths  # each kill, once; a loaded machine may also drop a straggler (5 s timeout)
     assert rows[-1]["membership"].get("join", 0) >= 1
     assert abs(loss - clean_loss) / clean_loss < 0.03, (loss, clean_loss, kills)
 
