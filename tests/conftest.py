@@ -100,7 +100,10 @@ def ray_session():
     if not ray.is_initialized():
         # workers inherit this environment (WANDB_MODE above; PYTHONPATH: they import model builders
         # defined in test modules); no job runtime_env, so Ray's prestarted workers can host actors
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+        # every folder of test files: pytest imports each test module by its base name from its folder
+        test_dirs = sorted({str(p.parent) for p in (ROOT / "tests").rglob("test_*.py")})
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), *test_dirs, str(ROOT),
+                                                    os.environ.get("PYTHONPATH", "")])
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
