@@ -1,0 +1,272 @@
+"""The cost of one outer exchange, against a gloo all-reduce of the same bytes (issue 14).
+
+A model whose P parameters are exchanged but cost no compute (one big fp32 tensor that decays
+a little at every inner step, outside autograd, so every pseudo-gradient is dense and non-zero;
+the loss reads only a vocabulary-sized bias): M replicas x 1 worker, H=2, no emulated link,
+``streaming.overlap_steps`` 0 so a replica's training thread waits for the whole exchange at
+its sync step. For each (P, M, format):
+
+- ``sync_s``: the median seconds a replica's training thread spends in one outer sync (send
+  to merge: computing the pseudo-gradient, encoding, the driver's round and outer step, the
+  reply, decoding and the merge; ``ReplicaWorker.train``'s ``sync_s``), first outer step left
+  out (start-up);
+- ``allreduce_s``: the median seconds of a gloo all-reduce (sum) of the same fp32 ``[P]``
+  tensor among M processes, measured in the same run; ``ratio`` = ``sync_s / allreduce_s``;
+- ``memcpy_s``: one copy of ``[P]`` fp32 in this process;
+- ``sync_gb_s``: the bytes a replica moves in one sync (up + down) / ``sync_s``;
+- ``outer_peak_rss_u``, ``worker_peak_rss_u``: the peak resident memory (``VmHWM`` from /proc)
+  of the outer-optimiser actor and of the largest replica worker, in units of U = 4 P bytes
+  (one fp32 copy of the model);
+- ``run_extra_u``: the peak over the run of the private memory of every process of the run
+  (this one, the outer-optimiser actor, the workers; ``RssAnon``, sampled every 50 ms) plus the
+  object store's bytes in use, minus the same figure for a run with P = 1000 (the processes'
+  own start-up memory), in U.
+
+    python benchmarks/exchange.py [--params 1e6 1e7 1e8] [--replicas 2 4] [--formats none fp4_e3m0]
+                                  [--outer-steps 4] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class BigModel(torch.nn.Module):
+    """``w``: ``[P]`` fp32 that every forward scales by 0.9999 outside autograd (so it gets no
+    gradient and no AdamW state, yet changes); logits: a ``[vocab]`` bias for every position."""
+
+    def __init__(self, params: int, vocab_size: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(params) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.w.mul_(0.9999)
+        b, t = input_ids.shape
+        return self.bias.view(1, 1, -1).expand(b, t, -1).contiguous()
+
+
+class BigModelFn:
+    """A picklable ``model_fn`` building :class:`BigModel` with ``params`` values."""
+
+    def __init__(self, params: int):
+        self.params = params
+
+    def __call__(self, shape: dict, vocab_size: int) -> torch.nn.Module:
+        return BigModel(self.params, vocab_size)
+
+
+# -- /proc ------------------------------------------------------------------------------------
+def _status(pid: int, key: str) -> int:
+    """A ``kB`` field of /proc/PID/status in bytes (0 if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _store_bytes() -> int:
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    return int(get_memory_info_reply(state).store_stats.object_store_bytes_used)
+
+
+class Sampler:
+    """Samples ``sum(RssAnon of pids) + object store bytes in use`` every ``every`` seconds and
+    keeps the peak."""
+
+    def __init__(self, pids: list[int], every: float = 0.05):
+        self.pids, self.every, self.peak = pids, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        store = 0
+        while not self._stop.is_set():
+            if n % 4 == 0:  # the store figure asks the raylet: every 0.2 s
+                try:
+                    store = _store_bytes()
+                except Exception:
+                    pass
+            n += 1
+            self.peak = max(self.peak, sum(_status(p, "RssAnon") for p in self.pids) + store)
+            self._stop.wait(self.every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str):
+    from ray_diloco.config import load_config
+
+    H = 2
+    return load_config({
+        "model": {"preset": "tiny", "n_layers": 1, "n_heads": 1, "d_model": 8, "d_ff": 8, "context": 16},
+        "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 16},
+        "inner": {"global_batch": 4, "warmup_steps": 1},
+        "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": 1, "sync_timeout_s": 1800.0},
+        "streaming": {"quantization": fmt},
+        "run": {"steps": H * outer_steps, "eval_every": 0, "checkpoint_every": 0, "log_hashes": False,
+                "output_dir": out_dir, "name": f"p{params}-m{replicas}-{fmt}"},
+        "tracking": {"wandb": False, "progress": False},
+    })
+
+
+def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str) -> dict:
+    """One run of ``outer_steps`` outer steps; the sync figures and peak memories."""
+    import ray
+
+    from ray_diloco.runtime.cluster import all_workers
+    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.trainer import Trainer
+
+    cfg = _config(params, replicas, fmt, outer_steps, out_dir)
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params))
+    t.start()
+    try:
+        workers = all_workers(t.replicas)
+        outer_pid = ray.get(t.outer.ping.remote())
+        worker_pids = ray.get([w.pid.remote() for w in workers])
+        sampler = Sampler([os.getpid(), outer_pid, *worker_pids])
+        syncs, moved = [], []
+        for k in range(1, outer_steps + 1):
+            start, end = (k - 1) * cfg.diloco.H, k * cfg.diloco.H
+            metrics = ray.get([w.train.remote(start, end) for w in workers])
+            if k > 1:
+                syncs += [m["sync_s"] for m in metrics]
+                moved += [m["link"]["bytes_up"] + m["link"]["bytes_down"] for m in metrics]
+        peak_total = sampler.stop()
+        outer_hwm = _status(outer_pid, "VmHWM")
+        worker_hwm = max(_status(p, "VmHWM") for p in worker_pids)
+    finally:
+        t.shutdown()
+    sync_s = statistics.median(syncs)
+    return {"sync_s": sync_s, "sync_s_all": syncs, "bytes_per_sync": int(statistics.median(moved)),
+            "outer_peak_rss": outer_hwm, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total}
+
+
+def _allreduce_proc(rank: int, world: int, port: int, params: int, reps: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.randn(params)
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(statistics.median(times[1:]))
+
+
+def measure_allreduce(params: int, world: int, reps: int = 5) -> float:
+    """Median seconds of a gloo all-reduce of fp32 ``[params]`` among ``world`` processes."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_proc, args=(r, world, port, params, reps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    value = out.get(timeout=900)
+    for p in procs:
+        p.join()
+    return value
+
+
+def measure_memcpy(params: int, reps: int = 5) -> float:
+    src = np.random.default_rng(0).standard_normal(params, dtype=np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, nargs="+", default=[1e6, 1e7, 1e8])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--formats", nargs="+", default=["none", "fp4_e3m0"])
+    ap.add_argument("--outer-steps", type=int, default=4)
+    ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+
+    import ray
+
+    from ray_diloco.components.data import load_corpus
+
+    ray.init(num_cpus=max(args.replicas) + 1, include_dashboard=False, logging_level="ERROR")
+    cfg0 = _config(1000, 2, "none", 2, "/tmp")
+    corpus = load_corpus(cfg0.data)
+    skip = {(int(float(p)), int(m)) for p, m in (s.split(":") for s in args.skip)}
+    rows = []
+    out_dir = tempfile.mkdtemp(prefix="exchange-bench-")
+    base = {m: measure_sync(1000, m, "none", 2, corpus, out_dir)["run_peak_total"] for m in args.replicas}
+    print(f"{'P':>6} {'M':>2} {'format':>9} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
+          f"{'GB/s':>6} {'outer_U':>7} {'worker_U':>8} {'extra_U':>7}", flush=True)
+    for p in (int(x) for x in args.params):
+        U = 4 * p
+        memcpy_s = measure_memcpy(p)
+        for m in args.replicas:
+            if (p, m) in skip:
+                continue
+            allreduce_s = measure_allreduce(p, m)
+            for fmt in args.formats:
+                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir)
+                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": 1, "sync_s": r["sync_s"],
+                       "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
+                       "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
+                       "bytes_per_sync": r["bytes_per_sync"], "sync_s_all": r["sync_s_all"],
+                       "outer_peak_rss_u": r["outer_peak_rss"] / U, "worker_peak_rss_u": r["worker_peak_rss"] / U,
+                       "run_extra_u": (r["run_peak_total"] - base[m]) / U,
+                       "load_avg_1m": os.getloadavg()[0]}
+                rows.append(row)
+                print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
+                      f"{memcpy_s:>8.3f} {row['sync_gb_s']:>6.2f} {row['outer_peak_rss_u']:>7.1f} "
+                      f"{row['worker_peak_rss_u']:>8.1f} {row['run_extra_u']:>7.1f}   (load {row['load_avg_1m']:.1f})",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
