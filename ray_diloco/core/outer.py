@@ -62,26 +62,20 @@ class OuterOptimizer:
     """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
 
     The downlink message (quantised update or full values) is the wire's business
-    (``core.wire.encode_downlink``): the driver calls :meth:`step`, encodes, and adopts the
-    decoded value with :meth:`set_global` so it holds what every replica holds.
+    (``core.wire.Downlink``): the driver calls :meth:`step`, then ``Downlink.encode``, which
+    adopts the decoded value with :meth:`set_global` so the optimiser holds what every replica
+    holds.
 
     Args:
         initial: one fp32 array ``[numel_p]`` per fragment (the replicas' common initialisation).
         cfg: outer optimiser settings.
-        quantization, error_feedback: optional one-call mode for tests and offline use: with a
-            format, :meth:`step` also encodes the downlink with ``core.wire.encode_downlink``
-            (downlink residuals kept here with ``error_feedback``), adopts the decoded value and
-            returns the ``message``, as ``runtime.driver.OuterDriver`` does. None (default): the
-            maths only.
     """
 
-    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig, quantization: str | None = None,
-                 error_feedback: bool = False):
-        self.cfg, self.quantization, self.error_feedback = cfg, quantization, error_feedback
+    def __init__(self, initial: list[np.ndarray], cfg: OuterConfig):
+        self.cfg = cfg
         self.params = [torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1)) for g in initial]
         self.opts = [make_outer_optimizer(p, cfg) for p in self.params]
         self.steps = [0] * len(self.params)
-        self.residuals: list[torch.Tensor | None] = [None] * len(self.params)  # one-call mode only
 
     # -- the outer step --------------------------------------------------------------------
     def step(self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
@@ -95,8 +89,7 @@ class OuterOptimizer:
         momentum extrapolation.
 
         Returns ``{"before": fp32 [numel_p] (the global fragment before the step),
-        "update_norm": float, "step": int, "delta_norms": [float per replica]}``, plus
-        ``"message"`` in the one-call mode (see the class).
+        "update_norm": float, "step": int, "delta_norms": [float per replica]}``.
         """
         p = self.params[fragment]
         mean = average_pseudo_gradients(list(deltas), list(weights))
@@ -110,21 +103,13 @@ class OuterOptimizer:
             p.grad = None
         self.steps[fragment] += 1
         out: dict[str, Any] = {"before": before}
-        if self.quantization is not None:
-            from ray_diloco.core.wire import encode_downlink
-
-            out["message"], applied, residual = encode_downlink(before, p, self.quantization,
-                                                                self.residuals[fragment])
-            if self.error_feedback:
-                self.residuals[fragment] = residual
-            self.set_global(fragment, applied)
         out.update(update_norm=float((p - before).norm()), step=self.steps[fragment],
                    delta_norms=[float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas])
         return out
 
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state
-        (the driver adopts the decoded downlink, ``core.wire.encode_downlink``)."""
+        (the driver adopts the decoded downlink, ``core.wire.Downlink``)."""
         p = self.params[fragment]
         if value is not p:
             with torch.no_grad():
@@ -136,20 +121,16 @@ class OuterOptimizer:
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Global parameters, optimiser state (momentum buffers), step counts and (one-call mode)
-        downlink residuals per fragment (a snapshot, not live buffers)."""
-        state = {
+        """Global parameters, optimiser state (momentum buffers) and step counts per fragment (a
+        snapshot, not live buffers)."""
+        return {
             "global": self.global_params(),
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],
             "steps": list(self.steps),
         }
-        if self.quantization is not None:
-            state["residuals"] = [None if r is None else r.numpy().copy() for r in self.residuals]
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts and, in the
-        one-call mode, residuals; a state without them leaves none).
+        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts).
 
         Raises:
             ValueError: if the number of fragments differs.
@@ -161,9 +142,6 @@ class OuterOptimizer:
                 self.params[i].copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
             self.opts[i].load_state_dict(state["optimizers"][i])
         self.steps = list(state["steps"])
-        res = (state.get("residuals") if self.quantization is not None else None) or [None] * len(self.params)
-        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-                          for r in res]
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""

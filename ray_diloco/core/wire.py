@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ray_diloco.core.quantize import decode, encode, from_message, quantize_with_feedback, to_message
@@ -62,6 +63,41 @@ def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str
     message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
     return message, apply_downlink(old_global, message), new_residual
 
+
+
+class Downlink:
+    """The outer-optimiser side of the downlink: encodes the reply of each outer step with
+    :func:`encode_downlink` and makes the optimiser hold what every receiver decodes; keeps the
+    downlink error-feedback residual of each fragment (Streaming DiLoCo, arXiv 2501.18512,
+    section 2: quantised communication both ways).
+
+    Args:
+        fmt: ``streaming.quantization``. error_feedback: keep the residuals.
+        num_fragments: fragments of the global parameters.
+    """
+
+    def __init__(self, fmt: str, error_feedback: bool, num_fragments: int):
+        self.fmt, self.error_feedback = fmt, error_feedback
+        self.residuals: list[torch.Tensor | None] = [None] * num_fragments
+
+    def encode(self, opt: Any, fragment: int, before: torch.Tensor) -> bytes:
+        """The message of the step ``opt`` (a ``core.outer.OuterOptimizer``) just took on
+        ``fragment`` from ``before`` (fp32 ``[numel_p]``); ``opt``'s global fragment becomes the
+        decoded value (``opt.set_global``), bitwise what receivers compute."""
+        message, applied, residual = encode_downlink(before, opt.params[fragment], self.fmt, self.residuals[fragment])
+        if self.error_feedback:
+            self.residuals[fragment] = residual
+        opt.set_global(fragment, applied)
+        return message
+
+    def state_dict(self) -> list[Any]:
+        """The residuals as fp32 arrays (None where there is none), for checkpoints."""
+        return [None if r is None else r.numpy().copy() for r in self.residuals]
+
+    def load_state_dict(self, state: list[Any] | None) -> None:
+        """Restore :meth:`state_dict` (None or missing entries: no residual)."""
+        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+                          for r in (state or [None] * len(self.residuals))]
 
 OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"
 

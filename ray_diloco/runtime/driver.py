@@ -37,10 +37,9 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply, encode_downlink
+from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Downlink, Reply
 from ray_diloco.core.quantize import decode, encode, from_message, to_message
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
@@ -113,7 +112,7 @@ class OuterDriver:
         c = self.cfg
         self.opt = OuterOptimizer(initial, c.outer)
         self.versions = [0] * len(self.opt.params)
-        self.residuals: list[torch.Tensor | None] = [None] * len(self.opt.params)  # downlink error feedback
+        self.downlink = Downlink(c.streaming.quantization, c.streaming.error_feedback, len(self.opt.params))
         self.finished_order: list[deque] = [deque() for _ in self.opt.params]
         self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
 
@@ -184,7 +183,8 @@ class OuterDriver:
                 self._event("timeout", m, fragment=fragment, step=step, timeout_s=self.timeout_s)
         if len(order) >= self.quorum and sum(weights) > 0:
             out = self.opt.step(fragment, weights, *[r.deltas[m][1] for m in order], average_only=r.average_only)
-            message, update_norm = self._downlink(fragment, out["before"])
+            message = self.downlink.encode(self.opt, fragment, out["before"])
+            update_norm = float((self.opt.params[fragment] - out["before"]).norm())
             self.versions[fragment] += 1
             self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": dict(zip(order, out["delta_norms"])), "replicas": order,
@@ -203,18 +203,6 @@ class OuterDriver:
         self.last_finished[fragment] = max(self.last_finished[fragment], step)
         r.deltas.clear()
         r.done.set()
-
-    def _downlink(self, fragment: int, before: torch.Tensor) -> tuple[bytes, float]:
-        """Encode the reply of the outer step just taken on ``fragment`` (``core.wire``) and adopt
-        the decoded value as the global fragment, as every receiver does; returns the message and
-        the norm of the update applied."""
-        s = self.cfg.streaming
-        message, applied, residual = encode_downlink(before, self.opt.params[fragment], s.quantization,
-                                                     self.residuals[fragment])
-        if s.error_feedback:
-            self.residuals[fragment] = residual
-        self.opt.set_global(fragment, applied)
-        return message, float((self.opt.params[fragment] - before).norm())
 
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
         remaining = r.opened + self.timeout_s - time.monotonic()
@@ -319,7 +307,7 @@ class OuterDriver:
         """The outer optimiser's state, the downlink residuals, fragment versions, the newest
         finished round per fragment and the figures of completed rounds not yet reported."""
         return {**self.opt.state_dict(),
-                "residuals": [None if r is None else r.numpy().copy() for r in self.residuals],
+                "residuals": self.downlink.state_dict(),
                 "versions": list(self.versions), "completed": list(self.last_finished),
                 "stats": copy.deepcopy(self.stats)}
 
@@ -327,8 +315,7 @@ class OuterDriver:
         """Restore :meth:`state_dict`."""
         self.opt.load_state_dict(state)
         n = len(self.opt.params)
-        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-                          for r in (state.get("residuals") or [None] * n)]
+        self.downlink.load_state_dict(state.get("residuals"))
         self.versions = list(state.get("versions", [0] * n))
         self.last_finished = list(state.get("completed", [0] * n))
         self.stats = copy.deepcopy(list(state.get("stats", [])))

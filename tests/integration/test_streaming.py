@@ -12,7 +12,7 @@ from conftest import run_cli, start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.errors import ConfigError
-from ray_diloco.core.wire import apply_downlink, dp_equivalent_bytes
+from ray_diloco.core.wire import Downlink, apply_downlink, dp_equivalent_bytes
 from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
 from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
 from ray_diloco.core.outer import OuterOptimizer
@@ -146,11 +146,12 @@ def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
     theta0 = rng.standard_normal(777).astype(np.float32)
     for ef in (False, True):
         cfg = load_config({"outer": {"lr": 0.7, "momentum": 0.9}}).outer
-        driver = OuterOptimizer([theta0], cfg, fmt, error_feedback=ef)
+        driver, downlink = OuterOptimizer([theta0], cfg), Downlink(fmt, ef, 1)
         replicas = [torch.tensor(theta0) for _ in range(3)]
         for _ in range(4):
             deltas = [rng.standard_normal(777).astype(np.float32) * 0.01 for _ in range(2)]
             out = driver.step(0, [1.0, 1.0], *deltas)
+            out["message"] = downlink.encode(driver, 0, out["before"])
             assert len(out["message"]) == message_nbytes(777, fmt) < 4 * 777
             replicas = [apply_downlink(r, out["message"]) for r in replicas]
             for r in replicas:

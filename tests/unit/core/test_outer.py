@@ -72,11 +72,13 @@ def test_state_dict_round_trip_continues_identically():
 def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
     """``step`` returns no message; the driver's sequence (step, ``wire.encode_downlink`` with the
     downlink residual, ``set_global``) leaves the optimiser on exactly what a receiver computes
-    with ``apply_downlink``, and equals the one-call mode, over steps with error feedback."""
-    from ray_diloco.core.wire import apply_downlink, encode_downlink
+    with ``apply_downlink``, and equals ``wire.Downlink`` (what the driver calls), over steps with
+    error feedback."""
+    from ray_diloco.core.wire import Downlink, apply_downlink, encode_downlink
 
     theta0 = np.random.default_rng(3).standard_normal(600).astype(np.float32)
-    maths, one_call = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig(), fmt, True)
+    maths, one_call = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
+    downlink = Downlink(fmt, True, 1)
     held, residual = torch.tensor(theta0), None
     for k in range(3):
         ds = _deltas(20 + k, 600, 2)
@@ -86,6 +88,8 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
         maths.set_global(0, applied)
         held = apply_downlink(held, message)
         ref = one_call.step(0, [1.0, 2.0], *ds)
+        ref["message"] = downlink.encode(one_call, 0, ref["before"])
+        ref["update_norm"] = float((one_call.params[0] - ref["before"]).norm())
         assert ref["message"] == message and torch.equal(maths.params[0], held)
         assert torch.equal(one_call.params[0], held) and ref["update_norm"] == float((held - out["before"]).norm())
     assert maths.state_hash() == one_call.state_hash()
@@ -100,7 +104,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     (its process starts while the replicas start); they can be given only once."""
     from ray_diloco.config import load_config
     from ray_diloco.runtime.driver import OuterDriverActor
-    from ray_diloco.core.wire import apply_downlink
+    from ray_diloco.core.wire import Downlink, apply_downlink
     from ray_diloco.core.quantize import quantize_message
 
     ray = ray_session
@@ -113,7 +117,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         ray.get(driver.init_global.remote([theta0]))
     with pytest.raises(RuntimeError, match="global parameters are already set"):
         ray.get(driver.init_global.remote([theta0 + 1]))
-    local = OuterOptimizer([theta0], cfg.outer, fmt)
+    local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False, 1)
     held = torch.tensor(theta0)  # what a replica holds
     for k in (1, 2, 3):
         ds = _deltas(10 + k, 1001, 2)
@@ -124,6 +128,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
         assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
         out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
+        out["message"] = downlink.encode(local, 0, out["before"])
         assert replies[0].message == out["message"] and not replies[0].resync
         held = apply_downlink(held, replies[0].message)
         (glob,) = ray.get(driver.global_params.remote())

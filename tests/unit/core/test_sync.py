@@ -25,7 +25,7 @@ from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import decode, from_message, quantize_message, quantize_with_feedback
 from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.core.sync import FragmentSync
-from ray_diloco.core.wire import FAILED, OK, REJECTED, Reply, SyncResult, decode_reply, encode_downlink
+from ray_diloco.core.wire import FAILED, OK, REJECTED, Downlink, Reply, SyncResult, decode_reply
 
 SHAPES = {"embed.weight": (7, 3), "blocks.0.w": (5,), "blocks.0.b": (4,), "blocks.1.w": (6,), "blocks.1.b": (2,),
           "blocks.2.w": (3, 2), "blocks.3.w": (5,), "head.weight": (3,)}
@@ -57,6 +57,7 @@ class MemoryDriver:
     def __init__(self, initial: list[torch.Tensor], replicas: int, fmt: str = "none", fail=()):
         self.opt = OuterOptimizer([g.numpy() for g in initial], OUTER)
         self.replicas, self.fmt, self.fail = replicas, fmt, set(fail)
+        self.downlink = Downlink(fmt, False, len(initial))
         self.versions = [0] * len(initial)
         self.lock = threading.Lock()
         self.rounds: dict[tuple[int, int], dict[str, Any]] = {}
@@ -83,8 +84,7 @@ class MemoryDriver:
         else:
             out = self.opt.step(fragment, [r["in"][m][0] for m in valid], *[r["in"][m][1] for m in valid],
                                 average_only=r["avg"])
-            message, applied, _ = encode_downlink(out["before"], self.opt.params[fragment], self.fmt)
-            self.opt.set_global(fragment, applied)
+            message = self.downlink.encode(self.opt, fragment, out["before"])
             self.versions[fragment] += 1
             r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, message) for m in r["in"]}
         r["done"].set()
@@ -181,12 +181,12 @@ def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_fee
 
 
 def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
-    """The algorithm written out directly (one OuterOptimizer, its downlink in one call): the
+    """The algorithm written out directly (one OuterOptimizer and its ``wire.Downlink``): the
     fragment's outer step on the mean pseudo-gradient at the send, the merge
     ``alpha * local + (1 - alpha) * new_global`` tau steps later."""
     locals_ = [_initial() for _ in range(M)]
     glob = [flatten(_initial(), f) for f in FRAGMENTS]
-    opt = OuterOptimizer([g.numpy() for g in glob], OUTER, fmt)
+    opt, downlink = OuterOptimizer([g.numpy() for g in glob], OUTER), Downlink(fmt, False, len(FRAGMENTS))
     last, due = [0] * len(FRAGMENTS), []
     for t in range(1, schedule.total_steps + 1):
         for m in range(M):
@@ -196,7 +196,7 @@ def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
             deltas = [quantize_message(glob[f] - flatten(locals_[m], FRAGMENTS[f]), fmt)[1].numpy() for m in range(M)]
             w = float((t - last[f]) * TOKENS)
             last[f] = t
-            opt.step(f, [w] * M, *deltas, average_only=schedule.averages(f, t))
+            downlink.encode(opt, f, opt.step(f, [w] * M, *deltas, average_only=schedule.averages(f, t))["before"])
             due.append((schedule.apply_step(t), f, opt.params[f].clone()))
         for a, f, new in [d for d in due if d[0] <= t]:
             due.remove((a, f, new))
