@@ -153,7 +153,7 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     t.start()
     try:
         workers = all_workers(t.replicas)
-        outer_pid = ray.get(t.outer.ping.remote())
+        outer_pid = ray.get(t.driver.ping.remote())
         worker_pids = ray.get([w.pid.remote() for w in workers])
         sampler = Sampler([os.getpid(), outer_pid, *worker_pids])
         syncs, moved = [], []

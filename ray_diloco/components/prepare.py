@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter, TokenStore
+from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",

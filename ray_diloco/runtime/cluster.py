@@ -196,7 +196,6 @@ def wait_placed(pgs: list[Any], timeout_s: float) -> Any | None:
 def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None,
            allreduce_emulation: bool = False) -> None:
     """Create the replica's worker actors in its (placed) placement group."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from ray_diloco.runtime.replica import ReplicaWorkerActor as Worker

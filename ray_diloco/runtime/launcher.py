@@ -308,19 +308,22 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
     check_resources(run)  # before the run directory is written
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_run_dir(run_dir)
-    if fresh and any(p.name != ".lock" for p in run_dir.iterdir()):
+    try:
+        if fresh and any(p.name != ".lock" for p in run_dir.iterdir()):
+            raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
+        remove_partial_checkpoints(run_dir)
+        if fresh:  # a resume rewrites it (with its --set changes) only once it has started
+            write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
+        tok_dir = run_dir / "tokenizer"
+        if corpus.tokenizer is not None and not tok_dir.exists():
+            corpus.tokenizer.save_pretrained(str(tok_dir))
+        if is_uri(run.run.storage_path):
+            trainer.mirror = Mirror(run_dir, run.run.storage_path)
+            print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
+                  file=sys.stderr)
+    except BaseException:  # the caller only closes a lock it was given
         lock.close()
-        raise CheckpointError(f"run directory {run_dir}: another run started in it at the same time")
-    remove_partial_checkpoints(run_dir)
-    if fresh:  # a resume rewrites it (with its --set changes) only once it has started
-        write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
-    tok_dir = run_dir / "tokenizer"
-    if corpus.tokenizer is not None and not tok_dir.exists():
-        corpus.tokenizer.save_pretrained(str(tok_dir))
-    if is_uri(run.run.storage_path):
-        trainer.mirror = Mirror(run_dir, run.run.storage_path)
-        print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
-              file=sys.stderr)
+        raise
     return lock
 
 

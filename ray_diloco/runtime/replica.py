@@ -28,7 +28,7 @@ import numpy as np
 import ray
 import torch
 
-from ray_diloco.config import Config, load_config
+from ray_diloco.config import load_config
 from ray_diloco.components.data import ShardReader
 from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
@@ -335,8 +335,7 @@ class ReplicaWorker:
         saved = None
         if global_refs is not None:
             saved = [flatten(self.params, f) for f in self.fragments]
-            for f, g in zip(self.fragments, ray.get(list(global_refs))):
-                unflatten_into(self.params, f, torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
+            self.load_local(ray.get(list(global_refs)))
         try:
             return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
                                  self.cfg.run.eval_batch, self._autocast)

@@ -114,8 +114,6 @@ class Trainer:
         """The outer-optimiser driver actor (None for the DP baseline)."""
         return self.sync.driver
 
-    outer = driver  # the name used before the sync strategy existed
-
     @property
     def schedule(self) -> Any:
         """The fragments' :class:`~ray_diloco.core.schedules.SyncSchedule` (None for the DP baseline)."""
@@ -271,8 +269,6 @@ class Trainer:
         or export); a replica that fails meanwhile is removed (DiLoCo) or raises (DP)."""
         self.supervisor.settle()
 
-    _settle = settle
-
     def evaluate(self) -> float:
         """Validation loss (nats/token) of the global parameters over the whole validation split,
         spread across all workers."""
@@ -389,7 +385,5 @@ def signals_deferred(replay: bool = False):
         if replay and pending:
             signal.raise_signal(pending[0])
 
-
-_signals_deferred = signals_deferred  # the name tests and older code use
 
 __all__ = ["Trainer", "RunState", "signals_deferred"]

@@ -199,14 +199,14 @@ def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
 
     from ray_diloco.runtime import cluster
     from ray_diloco.components.checkpoint import list_checkpoints, save_checkpoint
-    from ray_diloco.runtime.trainer import _signals_deferred
+    from ray_diloco.runtime.trainer import signals_deferred
 
     state = {"outer_step": 1, "big": torch.arange(2_000_000, dtype=torch.float32)}
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
-            with _signals_deferred(replay=True):
+            with signals_deferred(replay=True):
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.1)  # the handler has run: without the deferral the interrupt is raised here
                 save_checkpoint(tmp_path, 1, state, keep=1)

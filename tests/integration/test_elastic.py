@@ -14,15 +14,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides, torch_lm
+from conftest import start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ClusterError
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import Packed, quantize_message, to_message
 from ray_diloco.core.fragments import tensor_hash
-from ray_diloco.runtime.launcher import _new_run_dir
-from ray_diloco.runtime.trainer import Trainer
 
 N = 257
 
@@ -132,12 +130,6 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
 # with real replicas
 
 
-def _trainer(cfg, corpus, resume_state=None):
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, torch_lm, resume_state)
-    t.start()
-    return t
-
-
 def _kill(worker) -> None:
     """SIGKILL ``worker`` now: its ``pid`` is answered on the actor's control thread, also while
     it is busy in ``train`` (so the kill lands in the running round, not after it)."""
@@ -150,12 +142,11 @@ def test_a_replica_killed_mid_round_does_not_report_that_round(ray_session, tmp_
     """A replica killed 0.3 s into a round of several seconds dies in it: its ``pid`` is
     answered while it trains (long before the round ends), it reports no loss for that round,
     the round ends as a death, and the survivor holds the driver's global parameters."""
-    import ray
 
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=300, run__eval_every=0,
                                      run__checkpoint_every=0, diloco__H=150, diloco__cpus_per_worker=0.5,
                                      network__latency_ms=1.0))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         victim = t.replicas[1]
         asked = {}
@@ -205,7 +196,7 @@ def test_nan_replica_is_rejected_reset_and_training_goes_on(ray_session, tmp_pat
     finite, and in the next outer step both replicas contribute again."""
     ray = ray_session
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=15, run__eval_every=0))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         t.outer_step(1)
         r1 = t.replicas[1].rank0
@@ -236,7 +227,7 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=30, run__eval_every=0,
                                      diloco__max_replicas=3, diloco__cpus_per_worker=0.5, run__trace_syncs=True))
     blocker = _blocker(ray, 1.0)  # 2 CPUs - 2 x 0.5 for the replicas: no room for a third
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         t.outer_step(1)
         t.outer_step(2)
@@ -248,11 +239,11 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
             assert time.monotonic() < deadline, "the third replica did not start"
             time.sleep(0.2)
         ready = [lc for lc in t.members.launches if lc.stage == "ready"]
-        before = ray.get(t.outer.state_hash.remote())
-        t.members.admit(ready, 10, t._settle)
-        assert ray.get(t.outer.state_hash.remote()) == before  # joining does not touch the outer state
+        before = ray.get(t.driver.state_hash.remote())
+        t.members.admit(ready, 10, t.settle)
+        assert ray.get(t.driver.state_hash.remote()) == before  # joining does not touch the outer state
         assert [r.index for r in t.replicas] == [0, 1, 2] and t.replicas[2].slot == 2
-        events = ray.get(t.outer.take_events.remote())
+        events = ray.get(t.driver.take_events.remote())
         join = next(e for e in events if e["event"] == "join")
         zeros = tensor_hash([torch.zeros(n) for n in
                              [len(ray.get(t.replicas[0].rank0.local_fragment.remote(p))) for p in range(t.num_fragments)]])
@@ -286,7 +277,7 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=False, run__steps=260, run__eval_every=0,
                                      diloco__H=1, diloco__min_replicas=2, diloco__cpus_per_worker=0.5,
                                      run__checkpoint_every=0))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     blocker = None
     try:
         t.outer_step(1)
@@ -302,7 +293,7 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
         for k in range(3, 203):
             t.outer_step(k)
             if k in (12, 202):
-                mem.append(ray.get(t.outer.memory.remote()))
+                mem.append(ray.get(t.driver.memory.remote()))
                 store.append(_object_store_bytes())
         assert mem[1]["failed_rounds"] >= 200
         for m in mem:
@@ -336,13 +327,13 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 run__steps=30, diloco__H=5, streaming__fragments=2, streaming__overlap_steps=1,
                 streaming__quantization="fp4_e3m0")
-    ref = _trainer(load_config(tiny_overrides(tmp_path, run__name="ref", **over)), corpus)
+    ref = start_trainer(load_config(tiny_overrides(tmp_path, run__name="ref", **over)), corpus, torch_lm)
     try:
         rows = {k: ref.outer_step(k) for k in range(1, 7)}
     finally:
         ref.shutdown()
-    t = _trainer(load_config(tiny_overrides(tmp_path, run__name="killed", **over)), corpus)
-    pid = ray.get(t.outer.ping.remote())
+    t = start_trainer(load_config(tiny_overrides(tmp_path, run__name="killed", **over)), corpus, torch_lm)
+    pid = ray.get(t.driver.ping.remote())
     rng = random.Random()
     k_kill = rng.randint(2, 4)
     killer = threading.Timer(rng.uniform(0.0, 0.3), os.kill, (pid, signal.SIGKILL))
@@ -356,7 +347,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
         e = err.value  # the supervisor's ClusterError names the driver; a direct call on it (stats,
         # events, state) raises Ray's error for the driver's own actor, not a replica's
         assert ("the outer-optimiser driver" in str(e) if isinstance(e, ClusterError) else
-                isinstance(e, ray.exceptions.RayActorError) and e.actor_id == t.outer._actor_id.hex()), repr(e)
+                isinstance(e, ray.exceptions.RayActorError) and e.actor_id == t.driver._actor_id.hex()), repr(e)
     finally:
         if killer.is_alive():
             killer.join()
@@ -365,7 +356,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
     assert k_kill - 1 <= k0 <= 5
     state = load_checkpoint(path)
     cfg = load_config(tiny_overrides(tmp_path, run__name="resumed", **over))
-    t2 = _trainer(cfg, corpus, resume_state=state)
+    t2 = start_trainer(cfg, corpus, torch_lm, state)
     try:
         again = {k: t2.outer_step(k) for k in range(k0 + 1, 7)}
     finally:
@@ -391,7 +382,7 @@ def test_chaos_three_kills_during_inner_steps_and_exchange(ray_session, tmp_path
                 diloco__spare_replicas=1, diloco__cpus_per_worker=0.5)
 
     def run(name, kills):
-        t = _trainer(load_config(tiny_overrides(tmp_path, run__name=name, **over)), corpus)
+        t = start_trainer(load_config(tiny_overrides(tmp_path, run__name=name, **over)), corpus, torch_lm)
         rows = []
         try:
             t.members.top_up()  # the run starts with its spare up (the fault-free run needs none)
@@ -444,7 +435,7 @@ def _chaos_kill(t, mode: str, victims: dict[int, int], k: int) -> None:
         time.sleep(rng.uniform(0.05, 0.4))
     else:
         deadline = time.monotonic() + 30
-        while ray.get(t.outer.pending_rounds.remote()) == 0 and time.monotonic() < deadline:
+        while ray.get(t.driver.pending_rounds.remote()) == 0 and time.monotonic() < deadline:
             time.sleep(0.002)
     live = list(t.replicas)
     if live:
@@ -464,7 +455,7 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
 
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 run__steps=40, diloco__H=5, diloco__cpus_per_worker=0.5)
-    t = _trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus)
+    t = start_trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus, torch_lm)
     try:
         t.outer_step(1)
         _kill(t.replicas[1].rank0)
@@ -483,7 +474,7 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
     _, path = latest_checkpoint(t.run_dir)
     state = load_checkpoint(path)
     assert state["membership"]["members"] == [[0, 0, 0], [2, 1, 10]]
-    t2 = _trainer(load_config(tiny_overrides(tmp_path, run__name="b", **over)), corpus, resume_state=state)
+    t2 = start_trainer(load_config(tiny_overrides(tmp_path, run__name="b", **over)), corpus, torch_lm, state)
     try:
         assert [(r.index, r.slot, r.join_step) for r in t2.replicas] == [(0, 0, 0), (2, 1, 10)]
         again = t2.outer_step(4)
@@ -577,7 +568,7 @@ def test_scale_down_and_up_with_the_cli(ray_session, tmp_path, corpus):
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=40, run__eval_every=0,
                                      diloco__replicas=3, inner__global_batch=6, diloco__min_replicas=2,
                                      diloco__cpus_per_worker=0.5))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         (t.run_dir / "config.yaml").write_text(cfg.to_yaml())
         t.outer_step(1)
@@ -615,7 +606,7 @@ def test_a_replica_that_loses_one_rank_is_rebuilt_whole_under_streaming(ray_sess
                                      diloco__workers_per_replica=2, diloco__cpus_per_worker=0.5, diloco__H=6,
                                      streaming__fragments=2, streaming__overlap_steps=1,
                                      streaming__quantization="fp4_e3m0", streaming__error_feedback=True))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     try:
         t.outer_step(1)
         victim = t.replicas[0]
@@ -646,11 +637,11 @@ def test_a_frozen_driver_stops_the_run_within_the_sync_timeout(ray_session, tmp_
     """SIGSTOP on the driver's process: every replica would wait on it forever; the trainer
     notices within diloco.sync_timeout_s (+ a little) and stops with one error naming the driver."""
     cfg = load_config(tiny_overrides(tmp_path, run__steps=30, run__eval_every=0, diloco__sync_timeout_s=3.0))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     pid = None
     try:
         t.outer_step(1)
-        pid = ray_session.get(t.outer.ping.remote())
+        pid = ray_session.get(t.driver.ping.remote())
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         with pytest.raises(ClusterError, match="driver has not answered for 3 s"):
@@ -668,7 +659,7 @@ def test_every_replica_frozen_is_replaced_and_the_outer_step_runs_again(ray_sess
     diloco.sync_timeout_s, replacements join, and the outer step runs again."""
     cfg = load_config(tiny_overrides(tmp_path, run__steps=20, diloco__H=10, run__eval_every=0,
                                      diloco__sync_timeout_s=3.0, diloco__cpus_per_worker=0.5))
-    t = _trainer(cfg, corpus)
+    t = start_trainer(cfg, corpus, torch_lm)
     pids = []
     try:
         t.outer_step(1)

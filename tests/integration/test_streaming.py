@@ -257,7 +257,7 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
                 assert a["apply_step"] == min(a["send_step"] + tau, 18)
                 n = a["apply_step"] - a["send_step"]
                 torch.testing.assert_close(merge_local, local - n * step, rtol=0, atol=1e-6)
-            final = ray.get(t.outer.global_params.remote())
+            final = ray.get(t.driver.global_params.remote())
             for f in (0, 1):
                 last = [r for r in traces[0] if r["fragment"] == f][-1]
                 assert last["send_step"] == 18 and np.array_equal(final[f], last["new_global"].numpy())

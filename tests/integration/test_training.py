@@ -49,7 +49,7 @@ def test_m1_lr1_mu0_is_plain_adamw(ray_session, tmp_path, corpus):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
                 opt.step()
                 opt.zero_grad()
-            (glob,) = ray.get(t.outer.global_params.remote())
+            (glob,) = ray.get(t.driver.global_params.remote())
             local = ray.get(t.replicas[0].rank0.local_fragment.remote(0))
             plain = flatten(dict(model.named_parameters()), frag).numpy()
             # global - (global - local) equals local up to one rounding of the subtraction
@@ -110,9 +110,9 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10))
     t = start_trainer(cfg, corpus, odd_model_fn)
     try:
-        (g0,) = ray.get(t.outer.global_params.remote())
+        (g0,) = ray.get(t.driver.global_params.remote())
         row = t.outer_step(1)
-        (g1,) = ray.get(t.outer.global_params.remote())
+        (g1,) = ray.get(t.driver.global_params.remote())
         model = odd_model_fn(None, corpus.vocab_size)
         off = 0
         for name, p in model.named_parameters():
@@ -193,7 +193,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
     try:
         rows = [t.outer_step(k) for k in (1, 2)]
         assert all(np.isfinite(r["train_loss"]) for r in rows) and rows[1]["train_loss"] < rows[0]["train_loss"]
-        (glob,) = ray.get(t.outer.global_params.remote())
+        (glob,) = ray.get(t.driver.global_params.remote())
         assert glob.dtype == np.float32 and np.isfinite(glob).all()
         assert np.isfinite(t.evaluate())
     finally:
