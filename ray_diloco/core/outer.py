@@ -35,11 +35,90 @@ def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.O
     raise ValueError(f"outer.name = {cfg.name!r}: must be one of nesterov, sgd, adam")
 
 
-def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
-    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained).
+#: Values per chunk of the streaming sums (fp32: 4 MiB), so no temporary is as large as a fragment.
+CHUNK = 1 << 20
 
-    Each term is scaled by ``w_i / sum(w)`` (exactly 1 for one replica, 1/2 for two equal ones),
-    then summed in the order given, so the result is reproducible bit for bit.
+
+def _chunks(n: int):
+    for s in range(0, n, CHUNK):
+        yield slice(s, min(n, s + CHUNK))
+
+
+def finite_norm(values: np.ndarray) -> float | None:
+    """The L2 norm (fp64 accumulation, chunked) of fp32 ``values`` ``[n]``, or None if any value
+    is not finite."""
+    sq = 0.0
+    for sl in _chunks(values.size):
+        c = values[sl]
+        if not np.isfinite(c).all():
+            return None
+        sq += float(np.dot(c.astype(np.float64), c.astype(np.float64)))
+    return float(np.sqrt(sq))
+
+
+class OrderedMean:
+    """The token-weighted mean of pseudo-gradients in a fixed order (the driver adds them in
+    replica-id order), reproducible bit for bit and equal to the plain fp32 DiLoCo mean
+    ``sum_i fl(d_i * w_i / W)`` summed in that order (DiLoCo, arXiv 2311.08105, Algorithm 1
+    line 10). Terms are kept by reference (an object-store view of a ``none`` message is not
+    copied) until :meth:`take`, which sums them in one pass over chunks of :data:`CHUNK`
+    values: the only fp32 ``[numel]`` buffer it allocates is the result (the total weight
+    ``W`` is known only when the round closes, so the terms cannot be scaled before).
+    """
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self.terms: list[tuple[np.ndarray, float]] = []
+        self.total = 0.0
+
+    @property
+    def count(self) -> int:
+        """Terms added."""
+        return len(self.terms)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the terms held."""
+        return sum(d.nbytes for d, _ in self.terms)
+
+    def add(self, delta: np.ndarray, weight: float) -> None:
+        """Add fp32 ``delta`` ``[numel]`` (kept by reference, never written) with ``weight`` > 0.
+
+        Raises:
+            ValueError: wrong size or non-positive weight.
+        """
+        d = np.asarray(delta, dtype=np.float32).reshape(-1)
+        if d.size != self.numel:
+            raise ValueError(f"pseudo-gradient has {d.size} values, expected {self.numel}")
+        if not weight > 0:
+            raise ValueError(f"weight {weight} must be > 0")
+        self.terms.append((d, float(weight)))
+        self.total += float(weight)
+
+    def take(self) -> torch.Tensor:
+        """The mean (fp32 ``[numel]``, a new tensor); the terms are dropped.
+
+        Raises:
+            ValueError: nothing was added."""
+        if not self.terms:
+            raise ValueError("no pseudo-gradient to average")
+        acc = torch.zeros(self.numel, dtype=torch.float32)
+        for sl in _chunks(self.numel):
+            a = acc[sl]
+            for d, w in self.terms:
+                a.add_(torch.from_numpy(d[sl].copy()), alpha=w / self.total)
+        self.terms = []
+        return acc
+
+    def clear(self) -> None:
+        """Drop the terms (a failed round)."""
+        self.terms = []
+
+
+def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
+    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained), as the
+    driver computes it (:class:`OrderedMean`, terms in the order given): reproducible bit for
+    bit, exactly the term for one replica.
 
     Raises:
         ValueError: on empty input, mismatched shapes or non-positive total weight.
@@ -49,13 +128,13 @@ def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> 
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"total weight {total} must be > 0")
-    acc = torch.zeros(np.asarray(deltas[0]).size, dtype=torch.float32)
+    mean = OrderedMean(np.asarray(deltas[0]).size)
     for d, w in zip(deltas, weights):
-        t = torch.as_tensor(np.array(d, dtype=np.float32, copy=True).reshape(-1))  # object-store arrays are read-only
-        if t.numel() != acc.numel():
-            raise ValueError(f"pseudo-gradient has {t.numel()} values, expected {acc.numel()}")
-        acc.add_(t, alpha=w / total)
-    return acc
+        if w > 0:
+            mean.add(d, w)
+        elif np.asarray(d).size != mean.numel:
+            raise ValueError(f"pseudo-gradient has {np.asarray(d).size} values, expected {mean.numel}")
+    return mean.take()
 
 
 class OuterOptimizer:
@@ -94,18 +173,45 @@ class OuterOptimizer:
         p = self.params[fragment]
         mean = average_pseudo_gradients(list(deltas), list(weights))
         before = p.clone()
-        if average_only:
-            with torch.no_grad():
-                p.sub_(mean)
-        else:
-            p.grad = mean
-            self.opts[fragment].step()
-            p.grad = None
-        self.steps[fragment] += 1
+        self.step_mean(fragment, mean, average_only)
         out: dict[str, Any] = {"before": before}
         out.update(update_norm=float((p - before).norm()), step=self.steps[fragment],
                    delta_norms=[float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas])
         return out
+
+    def step_mean(self, fragment: int, mean: torch.Tensor, average_only: bool = False) -> float:
+        """The outer step of ``fragment`` with the mean pseudo-gradient (fp32 ``[numel_p]``, owned by
+        the caller and overwritten: no temporary as large as the fragment for SGD/Nesterov).
+
+        SGD/Nesterov run torch's ``SGD`` update (``torch.optim.sgd``, dampening 0, no weight
+        decay) in place on ``mean`` with the optimiser's own momentum buffer: the same
+        arithmetic and state dict. Adam calls torch's optimiser. With ``average_only`` the
+        global fragment moves by ``-mean`` (lr 1, no momentum, state untouched).
+
+        Returns the norm of the update (``lr`` x the norm of the step direction).
+        """
+        p, opt = self.params[fragment], self.opts[fragment]
+        self.steps[fragment] += 1
+        g = opt.param_groups[0]
+        if not average_only and self.cfg.name == "adam":
+            before = p.detach().clone()
+            p.grad = mean
+            opt.step()
+            p.grad = None
+            return float((p.detach() - before).norm())
+        lr, mu = (1.0, 0.0) if average_only else (g["lr"], g["momentum"])
+        eff = mean
+        if mu != 0:
+            state = opt.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                state["momentum_buffer"] = buf = mean.detach().clone()
+            else:
+                buf.mul_(mu).add_(mean)
+            eff = mean.add_(buf, alpha=mu) if g["nesterov"] else buf
+        with torch.no_grad():
+            p.add_(eff, alpha=-lr)
+        return lr * float(eff.norm())
 
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state

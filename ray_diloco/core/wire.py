@@ -16,13 +16,51 @@ No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driv
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import decode, encode, from_message, quantize_with_feedback, to_message
+from ray_diloco.core.quantize import (decode, encode, from_message, message_nbytes, quantize_with_feedback,
+                                      to_message)
+
+#: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
+#: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
+#: as the framed message's bytes).
+Message = Any
+
+
+def message_size(message: Message | None) -> int:
+    """Bytes a message counts for on the wire (0 for None); a raw fp32 array counts as its framed
+    ``none`` message would."""
+    if message is None:
+        return 0
+    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+        return message_nbytes(message.size, "none")
+    return len(message)
+
+
+def as_tensor(values: np.ndarray) -> torch.Tensor:
+    """A torch view of fp32 ``values`` without a copy, also of a read-only (object store) array:
+    the caller must not write to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about non-writable arrays
+        return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(-1))
+
+
+def message_values(message: Message) -> tuple[str, np.ndarray]:
+    """``(format, fp32 values [numel])`` of a message: a raw fp32 array as is (no copy), a framed
+    one decoded (the pseudo-gradient or update it carries).
+
+    Raises:
+        ValueError: malformed message.
+    """
+    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+        return "none", message.reshape(-1)
+    packed = from_message(message)
+    return packed.format, decode(packed)
 
 
 def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
@@ -35,11 +73,12 @@ def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
     Raises:
         ValueError: malformed message or wrong number of values.
     """
-    packed = from_message(message)
-    if packed.numel != old_global.numel():
-        raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
-    values = torch.from_numpy(decode(packed))
-    return values if packed.format == "none" else old_global + values
+    fmt, values = message_values(message)
+    if values.size != old_global.numel():
+        raise ValueError(f"downlink has {values.size} values, the fragment has {old_global.numel()}")
+    if fmt == "none":  # a raw array stays a (read-only) view: nothing decoded or copied
+        return as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
+    return old_global + torch.from_numpy(values)
 
 
 def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
@@ -111,20 +150,24 @@ class Reply:
             completed without it: late, timed out, or not expected), ``rejected`` (it was not
             finite: reset to the global parameters), ``failed`` (no quorum: no outer step).
         version: the fragment's global version the receiver holds after applying ``message``.
-        message: the downlink bytes: the quantised outer update (``resync`` False), the full
-            fp32 global fragment (``resync`` True), or None (nothing to apply).
+        message: the downlink (a :data:`Message`): the quantised outer update (``resync``
+            False), the fp32 global fragment (format ``none``, or ``resync`` True), or None
+            (nothing to apply). The runtime sends it as one shared object-store reference
+            (resolve it with ``runtime.link.resolve_reply`` before decoding).
         resync: ``message`` is a full-precision copy of the global fragment.
+        size: bytes the message counts for (-1: :func:`message_size` of ``message``).
     """
 
     status: str
     version: int
-    message: bytes | None = None
+    message: Any = None
     resync: bool = False
+    size: int = -1
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire for this reply (the message; 0 without one)."""
-        return len(self.message) if self.message is not None else 0
+        return self.size if self.size >= 0 else message_size(self.message)
 
 
 def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
@@ -137,10 +180,10 @@ def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
     if reply.message is None:
         return old_global
     if reply.resync:
-        packed = from_message(reply.message)
-        if packed.numel != old_global.numel():
-            raise ValueError(f"resync has {packed.numel} values, the fragment has {old_global.numel()}")
-        return torch.from_numpy(decode(packed))
+        fmt, values = message_values(reply.message)
+        if fmt != "none" or values.size != old_global.numel():
+            raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {old_global.numel()}")
+        return as_tensor(values) if isinstance(reply.message, np.ndarray) else torch.from_numpy(values)
     return apply_downlink(old_global, reply.message)
 
 

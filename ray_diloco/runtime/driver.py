@@ -21,8 +21,16 @@ Elasticity (DiLoCo, arXiv 2311.08105, section 3 "dropping outer gradients"):
   base gets the quantised update (bitwise-identical globals everywhere); any other receiver (a
   late or stale one) gets a full-precision resync of the fragment.
 
-Memory is bounded whatever happens: open rounds close within the timeout, and at most
-:data:`KEEP_FINISHED` finished rounds per fragment are kept for late receivers.
+Transport and memory (issue 14): pseudo-gradients arrive as object-store references (numpy
+buffers, pickle-5 out of band: a ``none`` one is the fp32 array itself, read without a copy) and
+are checked (finite, norm) as they arrive and summed into the token-weighted mean
+(``core.outer.OrderedMean``) in replica-id order, by reference, in one chunked pass when the
+round closes (bitwise the plain fp32 DiLoCo mean); the reply of a round is one object put once
+and shared by every receiver. Decoding, the mean,
+the outer step and the encoding run on one maths thread (FIFO: the order of the sums is fixed),
+never on the event loop, so pings and membership calls are answered during an outer step. Open
+rounds close within the timeout (plus :data:`TRANSFER_FLOOR_BPS` of transfer time for the
+fragment's bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
 """
 
 from __future__ import annotations
@@ -32,31 +40,43 @@ import copy
 import os
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
+import torch
 
-from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Downlink, Reply
-from ray_diloco.core.quantize import decode, encode, from_message, to_message
+from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
+from ray_diloco.core.quantize import from_message, message_nbytes
+from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_size, message_values
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
-KEEP_FINISHED = 4
+KEEP_FINISHED = 1
 #: Membership events kept until the trainer collects them.
 MAX_EVENTS = 1000
+#: Bytes per second a round's timeout allows for moving a fragment's pseudo-gradient on top of
+#: ``diloco.sync_timeout_s`` (a slow but live link is not a dead replica).
+TRANSFER_FLOOR_BPS = 100e6
+
 
 @dataclass
 class _Round:
-    """One open fragment sync on the driver: pseudo-gradients in, then one outcome."""
+    """One open fragment sync on the driver: pseudo-gradients in (summed in replica order), then
+    one outcome."""
 
     opened: float
-    deltas: dict[int, tuple[float, np.ndarray]] = field(default_factory=dict)  # replica -> (tokens, delta)
+    mean: OrderedMean
+    arrived: set[int] = field(default_factory=set)  # submitted, valid or not
+    held: dict[int, tuple[float, Any]] = field(default_factory=dict)  # waiting for their turn
+    included: list[int] = field(default_factory=list)  # in the mean, in order
+    norms: dict[int, float] = field(default_factory=dict)
     rejected: set[int] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_up: int = 0
     average_only: bool = False  # a closing round (schedule.averages): the mean, no outer step
+    closing: bool = False
 
 
 @dataclass
@@ -65,12 +85,107 @@ class _Finished:
 
     failed: bool
     base_version: int
-    message: bytes | None
+    message: Any  # ObjectRef of the downlink message (one object for every receiver), or None
+    size: int
     included: frozenset[int]
     rejected: frozenset[int]
 
 
-class OuterDriver:
+def _maths_threads() -> int:
+    """Threads for the outer step's tensor maths (Ray gives a ``num_cpus=0`` actor one)."""
+    try:
+        return max(1, min(4, len(os.sched_getaffinity(0))))
+    except AttributeError:
+        return max(1, min(4, os.cpu_count() or 1))
+
+
+class _DriverState:
+    """The driver's read and checkpoint calls (a part of :class:`OuterDriver`): every access to the
+    global parameters, versions, residuals and stats goes through the maths thread, after the
+    outer steps submitted before it."""
+
+    opt: OuterOptimizer
+    stats: list[dict[str, Any]]
+    _pool: ThreadPoolExecutor
+
+    async def _maths(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the maths thread (after every job submitted before it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
+        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
+        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
+        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
+        def take() -> list[dict[str, Any]]:
+            due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
+            self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
+            return due
+
+        return await self._maths(take)
+
+    # -- global parameters and state (read and written on the maths thread) ------------------
+    def ping(self) -> int:
+        """The driver's process id (the trainer's liveness check; answered during an outer step)."""
+        return os.getpid()
+
+    async def global_refs(self) -> list[Any]:
+        """Every global fragment (fp32 ``[numel_p]``) put once into the object store."""
+        return await self._maths(lambda: [ray.put(p.numpy()) for p in self.opt.params])
+
+    async def global_params(self) -> list[np.ndarray]:
+        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        return await self._maths(self.opt.global_params)
+
+    async def global_versions(self) -> list[int]:
+        """Outer steps applied to each fragment (what a joiner's versions start from)."""
+        return await self._maths(lambda: list(self.versions))
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The outer optimiser's state, the downlink residuals, fragment versions, the newest
+        finished round per fragment and the figures of completed rounds not yet reported."""
+        return await self._maths(lambda: {
+            **self.opt.state_dict(), "residuals": self.downlink.state_dict(),
+            "versions": list(self.versions), "completed": list(self.last_finished),
+            "stats": copy.deepcopy(self.stats)})
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        await self._maths(self._load_state_dict, state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+        n = len(self.opt.params)
+        self.downlink.load_state_dict(state.get("residuals"))
+        self.versions = list(state.get("versions", [0] * n))
+        self.last_finished = list(state.get("completed", [0] * n))
+        self.stats = copy.deepcopy(list(state.get("stats", [])))
+
+    async def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the outer optimiser buffers."""
+        return await self._maths(self.opt.state_hash)
+
+    def pending_rounds(self) -> int:
+        """Open rounds (waiting for pseudo-gradients or closing)."""
+        return len(self.rounds)
+
+    def memory(self) -> dict[str, int]:
+        """What the driver holds: open and finished rounds, their bytes (held pseudo-gradients,
+        running means, kept replies), queued events and stats, and the process's resident
+        memory (bytes, from /proc; 0 where unavailable)."""
+        held = sum(message_size(msg) for r in self.rounds.values() for _, msg in r.held.values())
+        held += sum(r.mean.nbytes for r in self.rounds.values())
+        held += sum(f.size for f in self.finished.values())
+        try:
+            with open("/proc/self/statm") as fh:
+                rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss = 0
+        return {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
+                "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
+                "rss_bytes": rss}
+
+
+class OuterDriver(_DriverState):
     """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor).
 
     Args:
@@ -97,6 +212,8 @@ class OuterDriver:
         self.stats: list[dict[str, Any]] = []
         self.events: deque = deque(maxlen=MAX_EVENTS)
         self.failed_rounds = 0
+        torch.set_num_threads(_maths_threads())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
         if initial is not None:
             self.init_global(initial)
 
@@ -109,10 +226,10 @@ class OuterDriver:
         """
         if self.opt is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
-        c = self.cfg
-        self.opt = OuterOptimizer(initial, c.outer)
+        self.opt = OuterOptimizer(initial, self.cfg.outer)
         self.versions = [0] * len(self.opt.params)
-        self.downlink = Downlink(c.streaming.quantization, c.streaming.error_feedback, len(self.opt.params))
+        s = self.cfg.streaming
+        self.downlink = Downlink(s.quantization, s.error_feedback, len(self.opt.params))
         self.finished_order: list[deque] = [deque() for _ in self.opt.params]
         self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
 
@@ -156,193 +273,215 @@ class OuterDriver:
             raise ValueError(f"replica {replica}: not a member of this run (members: {sorted(self.members)})")
 
     def _is_closed(self, fragment: int, step: int) -> bool:
-        return (fragment, step) in self.finished or ((fragment, step) not in self.rounds
-                                                      and step <= self.last_finished[fragment])
+        r = self.rounds.get((fragment, step))
+        if r is not None:
+            return r.closing
+        return (fragment, step) in self.finished or step <= self.last_finished[fragment]
 
     def _open(self, fragment: int, step: int) -> _Round:
         r = self.rounds.get((fragment, step))
         if r is None:
-            r = self.rounds[(fragment, step)] = _Round(opened=time.monotonic())
+            r = self.rounds[(fragment, step)] = _Round(time.monotonic(), OrderedMean(self.opt.params[fragment].numel()))
         return r
 
     def _expected(self, step: int) -> set[int]:
         return {m for m, joined in self.members.items() if joined < step}
 
+    def _drain(self, fragment: int, step: int, r: _Round, final: bool = False) -> None:
+        """Hand the held pseudo-gradients whose turn has come (no smaller expected replica still
+        missing; all of them when ``final``) to the maths thread, in replica order."""
+        waiting = self._expected(step) - r.arrived
+        ready = []
+        for m in sorted(r.held):
+            if not final and any(w < m for w in waiting):
+                break
+            ready.append((m, *r.held.pop(m)))
+        if ready:
+            asyncio.get_running_loop().run_in_executor(self._pool, self._add, fragment, step, r, ready)
+
+    def _add(self, fragment: int, step: int, r: _Round, items: list[tuple[int, float, Any]]) -> None:
+        """(maths thread) Decode, check and add pseudo-gradients to the round's mean, in order; a
+        non-finite one is rejected."""
+        for m, weight, message in items:
+            try:
+                values = message_values(message)[1]
+                norm = finite_norm(values)
+            except ValueError:
+                norm = None
+            if norm is None:
+                r.rejected.add(m)
+                self._event("rejected", m, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
+                continue
+            if weight > 0:
+                r.mean.add(values, weight)
+            r.included.append(m)
+            r.norms[m] = norm
+
     def _maybe_finish(self, fragment: int, step: int) -> None:
         r = self.rounds.get((fragment, step))
-        if r is not None and (r.deltas or r.rejected) and self._expected(step) <= set(r.deltas) | r.rejected:
-            self._finish(fragment, step, "complete")
+        if r is None or r.closing:
+            return
+        self._drain(fragment, step, r)
+        if r.arrived and self._expected(step) <= r.arrived:
+            self._close(fragment, step, "complete")
 
-    def _finish(self, fragment: int, step: int, cause: str) -> None:
-        r = self.rounds.pop((fragment, step))
-        order = sorted(r.deltas)
-        weights = [r.deltas[m][0] for m in order]
-        base = self.versions[fragment]
+    def _close(self, fragment: int, step: int, cause: str) -> None:
+        r = self.rounds[(fragment, step)]
+        r.closing = True
         if cause == "timeout":
-            for m in sorted(self._expected(step) - set(r.deltas) - r.rejected):
+            for m in sorted(self._expected(step) - r.arrived):
                 self._event("timeout", m, fragment=fragment, step=step, timeout_s=self.timeout_s)
-        if len(order) >= self.quorum and sum(weights) > 0:
-            out = self.opt.step(fragment, weights, *[r.deltas[m][1] for m in order], average_only=r.average_only)
-            message = self.downlink.encode(self.opt, fragment, out["before"])
-            update_norm = float((self.opt.params[fragment] - out["before"]).norm())
-            self.versions[fragment] += 1
-            self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
-                               "delta_norms": dict(zip(order, out["delta_norms"])), "replicas": order,
-                               "bytes_up": r.bytes_up, "bytes_down": len(message) * len(self._expected(step) | set(order))})
-            rec = _Finished(False, base, message, frozenset(order), frozenset(r.rejected))
-        else:
+        self._drain(fragment, step, r, final=True)
+        asyncio.ensure_future(self._finish(fragment, step, r))
+
+    async def _finish(self, fragment: int, step: int, r: _Round) -> None:
+        base = self.versions[fragment]
+        try:
+            rec = await self._maths(self._step_round, fragment, step, r)
+        except Exception as e:  # a bug, not a replica's fault: fail the round loudly, keep serving
+            self._event("round_failed", None, fragment=fragment, step=step, error=repr(e))
+            rec = _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
+        if rec.failed:
             self.failed_rounds += 1
-            self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
-                        cause=cause)
-            rec = _Finished(True, base, None, frozenset(), frozenset(r.rejected))
         self.finished[(fragment, step)] = rec
         keep = self.finished_order[fragment]
         keep.append((fragment, step))
         while len(keep) > KEEP_FINISHED:
             self.finished.pop(keep.popleft(), None)
         self.last_finished[fragment] = max(self.last_finished[fragment], step)
-        r.deltas.clear()
+        self.rounds.pop((fragment, step), None)
         r.done.set()
 
-    async def _wait(self, fragment: int, step: int, r: _Round) -> None:
-        remaining = r.opened + self.timeout_s - time.monotonic()
-        try:
-            await asyncio.wait_for(r.done.wait(), timeout=max(0.0, remaining))
-        except asyncio.TimeoutError:
-            if not r.done.is_set():
-                self._finish(fragment, step, "timeout")
+    def _step_round(self, fragment: int, step: int, r: _Round) -> _Finished:
+        """(maths thread, after every ``_add`` of the round) The outer step on the mean, or a
+        failed round without quorum."""
+        base = self.versions[fragment]
+        order = list(r.included)
+        if len(order) >= self.quorum and r.mean.total > 0:
+            ref, size, update_norm = self._downlink(fragment, r.mean.take(), r.average_only)
+            self.versions[fragment] += 1
+            self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
+                               "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
+                               "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})
+            return _Finished(False, base, ref, size, frozenset(order), frozenset(r.rejected))
+        r.mean.clear()
+        self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
+                    cause="timeout" if self._expected(step) - r.arrived else "complete")
+        return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
 
-    def _reply(self, fragment: int, step: int, replica: int, version: int) -> Reply:
+    def _downlink(self, fragment: int, mean: torch.Tensor, average_only: bool) -> tuple[Any, int, float]:
+        """(maths thread) The outer step of ``fragment`` and its reply, put once into the object
+        store: with ``none`` the new global fragment itself; otherwise the quantised update
+        (``core.wire``), which the driver applies to its own copy exactly as every receiver
+        does (``core.wire.Downlink``). Returns the reference, the message's bytes and the norm of
+        the update applied."""
+        s, p = self.cfg.streaming, self.opt.params[fragment]
+        if s.quantization == "none":
+            norm = self.opt.step_mean(fragment, mean, average_only)
+            return ray.put(p.numpy()), message_nbytes(p.numel(), "none"), norm
+        before = p.clone()
+        self.opt.step_mean(fragment, mean, average_only)
+        del mean
+        message = self.downlink.encode(self.opt, fragment, before)
+        return ray.put(np.frombuffer(message, np.uint8)), len(message), float((p - before).norm())
+
+    def _timeout_of(self, fragment: int) -> float:
+        return self.timeout_s + message_nbytes(self.opt.params[fragment].numel(), "none") / TRANSFER_FLOOR_BPS
+
+    async def _wait(self, fragment: int, step: int, r: _Round) -> None:
+        remaining = r.opened + self._timeout_of(fragment) - time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(r.done.wait()), timeout=max(0.0, remaining))
+        except asyncio.TimeoutError:
+            if not r.closing:
+                self._close(fragment, step, "timeout")
+        await r.done.wait()
+
+    async def _reply(self, fragment: int, step: int, replica: int, version: int) -> Reply:
+        r = self.rounds.get((fragment, step))
+        if r is not None and r.closing:
+            await r.done.wait()
         rec = self.finished.get((fragment, step))
         if rec is None:  # forgotten (very late): catch up with the current global fragment
             status = DROPPED
         else:
             status = OK if replica in rec.included else REJECTED if replica in rec.rejected else \
                 FAILED if rec.failed else DROPPED
-        current = self.versions[fragment]
         if rec is not None and not rec.failed and version == rec.base_version:
-            return Reply(status, rec.base_version + 1, rec.message)
-        if version == current:
-            return Reply(status, current)
-        return Reply(status, current, to_message(encode(self.opt.params[fragment], "none")), resync=True)
+            return Reply(status, rec.base_version + 1, rec.message, size=rec.size)
+        if version == self.versions[fragment]:
+            return Reply(status, self.versions[fragment])
+        current, ref = await self._maths(lambda: (self.versions[fragment], ray.put(self.opt.params[fragment].numpy())))
+        return Reply(status, current, ref, resync=True, size=message_nbytes(self.opt.params[fragment].numel(), "none"))
 
-    async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes | None,
+    async def _receive(self, fragment: int, replica: int, message: Any) -> Any:
+        """The message itself (``[ref]``: fetched from the object store, zero-copy), its size
+        checked against the fragment before any state changes."""
+        if isinstance(message, list):
+            (ref,) = message
+            message = await ref
+        if message is None:
+            return None
+        n = self.opt.params[fragment].numel()
+        if isinstance(message, np.ndarray) and message.dtype == np.float32:
+            got = message.size
+        else:
+            got = from_message(message).numel  # malformed input is refused here
+        if got != n:
+            raise ValueError(f"replica {replica}: fragment {fragment} has {n} values, got {got}")
+        return message
+
+    async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,
                        version: int = 0, average_only: bool = False) -> Reply:
         """Submit replica ``replica``'s pseudo-gradient of ``fragment`` sent at inner step
-        ``step`` (a wire message, fp32 ``[numel_p]`` once decoded), weighted by ``weight``
-        (tokens trained since its last sync). ``message`` None: the replica found its
-        pseudo-gradient non-finite and abstains. ``version``: the global version it holds.
-        ``average_only``: a closing round (the weighted mean, no outer step).
+        ``step`` (a ``core.wire`` message, fp32 ``[numel_p]`` once decoded, or ``[ObjectRef]``
+        of one), weighted by ``weight`` (tokens trained since its last sync). ``message`` None:
+        the replica found its pseudo-gradient non-finite and abstains. ``version``: the global
+        version it holds. ``average_only``: a closing round (the weighted mean, no outer step).
 
         Returns the :class:`Reply` once the round is complete, timed out or failed (at most
-        ``sync_timeout_s`` after it opened).
+        the round's timeout after it opened); its message is an ObjectRef shared by every
+        receiver.
 
         Raises:
             ValueError: bad fragment or replica, a duplicate submission, a malformed message.
         """
         self._check(fragment, replica)
-        delta = None
-        if message is not None:
-            delta = decode(from_message(message))  # malformed input is refused before any state changes
-            if delta.size != self.opt.params[fragment].numel():
-                raise ValueError(f"replica {replica}: fragment {fragment} has {self.opt.params[fragment].numel()} "
-                                 f"values, got {delta.size}")
+        message = await self._receive(fragment, replica, message)
         if replica not in self.members or self.members[replica] >= step or self._is_closed(fragment, step):
             if replica in self.members and self._is_closed(fragment, step):
                 self._event("late", replica, fragment=fragment, step=step)
-            return self._reply(fragment, step, replica, version)
+            return await self._reply(fragment, step, replica, version)
         r = self._open(fragment, step)
         r.average_only = r.average_only or average_only
-        if replica in r.deltas or replica in r.rejected:
+        if replica in r.arrived:
             raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
-        if delta is None or not np.isfinite(delta).all() or not np.isfinite(weight) or weight < 0:
+        r.arrived.add(replica)
+        r.bytes_up += message_size(message)
+        if message is None or not np.isfinite(weight) or weight < 0:
             r.rejected.add(replica)
             self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
         else:
-            r.deltas[replica] = (float(weight), delta)
-        r.bytes_up += len(message) if message is not None else 0
+            r.held[replica] = (float(weight), message)
+        del message
         self._maybe_finish(fragment, step)
         if not r.done.is_set():
             await self._wait(fragment, step, r)
-        return self._reply(fragment, step, replica, version)
+        return await self._reply(fragment, step, replica, version)
 
     async def result(self, fragment: int, step: int, replica: int = 0, version: int = 0,
                      average_only: bool = False) -> Reply:
-        """The reply of a round for a rank > 0 of ``replica`` (waits for the round, at most
-        ``sync_timeout_s`` after it opened)."""
+        """The reply of a round for a rank > 0 of ``replica`` (waits for the round, at most its
+        timeout after it opened)."""
         self._check(fragment, replica)
         if replica in self.members and not self._is_closed(fragment, step):
             r = self._open(fragment, step)
             r.average_only = r.average_only or average_only
             if not r.done.is_set():
                 await self._wait(fragment, step, r)
-        return self._reply(fragment, step, replica, version)
-
-    def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
-        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
-        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
-        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
-        due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
-        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
-        return due
-
-    # -- global parameters and state ----------------------------------------------------------
-    def ping(self) -> int:
-        """The driver's process id (the trainer's liveness check)."""
-        return os.getpid()
-
-    def global_refs(self) -> list[Any]:
-        """Every global fragment (fp32 ``[numel_p]``) put once into the object store."""
-        return [ray.put(g) for g in self.opt.global_params()]
-
-    def global_params(self) -> list[np.ndarray]:
-        """Copies of every global fragment, fp32 ``[numel_p]``."""
-        return self.opt.global_params()
-
-    def global_versions(self) -> list[int]:
-        """Outer steps applied to each fragment (what a joiner's versions start from)."""
-        return list(self.versions)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state, the downlink residuals, fragment versions, the newest
-        finished round per fragment and the figures of completed rounds not yet reported."""
-        return {**self.opt.state_dict(),
-                "residuals": self.downlink.state_dict(),
-                "versions": list(self.versions), "completed": list(self.last_finished),
-                "stats": copy.deepcopy(self.stats)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.opt.load_state_dict(state)
-        n = len(self.opt.params)
-        self.downlink.load_state_dict(state.get("residuals"))
-        self.versions = list(state.get("versions", [0] * n))
-        self.last_finished = list(state.get("completed", [0] * n))
-        self.stats = copy.deepcopy(list(state.get("stats", [])))
-
-    def state_hash(self) -> dict[str, str]:
-        """sha256 of the global parameters and of the outer optimiser buffers."""
-        return self.opt.state_hash()
-
-    def pending_rounds(self) -> int:
-        """Open rounds (waiting for pseudo-gradients)."""
-        return len(self.rounds)
-
-    def memory(self) -> dict[str, int]:
-        """What the driver holds: open and finished rounds, their bytes, queued events and stats,
-        and the process's resident memory (bytes, from /proc; 0 where unavailable)."""
-        held = sum(d.nbytes for r in self.rounds.values() for _, d in r.deltas.values())
-        held += sum(len(f.message or b"") for f in self.finished.values())
-        try:
-            with open("/proc/self/statm") as fh:
-                rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            rss = 0
-        return {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
-                "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
-                "rss_bytes": rss}
+        return await self._reply(fragment, step, replica, version)
 
 
-#: The driver as a Ray actor. It needs no CPU reservation: its work is a few vector operations
-#: per sync, and it must not take a core a replica worker needs.
+#: The driver as a Ray actor. It reserves no CPU (it must not take a core a replica worker
+#: needs); its maths thread sets its own torch threads (:func:`_maths_threads`).
 OuterDriverActor = ray.remote(num_cpus=0)(OuterDriver)

@@ -24,7 +24,17 @@ import numpy as np
 import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
-from ray_diloco.core.wire import OK, SyncResult, decode_reply, link_delay_s
+from ray_diloco.core.wire import OK, Reply, SyncResult, decode_reply, link_delay_s, message_size
+
+
+def resolve_reply(reply: Reply) -> Reply:
+    """The reply with its message fetched from the object store (the round's one shared object;
+    a ``none`` message is a read-only fp32 view of it, not a copy)."""
+    import ray
+
+    if isinstance(reply.message, ray.ObjectRef):
+        return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
+    return reply
 
 
 @dataclass
@@ -96,15 +106,15 @@ class Link:
         up = 0
         if self.rank == 0:
             before = self.residuals.get(fragment)
-            message = None
-            if bool(torch.isfinite(delta).all()):
-                message, residual = quantize_with_feedback(delta, self.fmt, before)
-                if self.error_feedback:
-                    self.residuals[fragment] = residual
-            up = len(message) if message is not None else 0
+            message = self._encode(fragment, delta, before)
+            del delta
+            up = message_size(message)
             self._sleep(up)
-            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight, message, version,
-                                                        average_only))
+            ref = None if message is None else ray.put(message)  # once; the driver reads it in place
+            del message
+            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight,
+                                                        None if ref is None else [ref], version, average_only))
+            del ref
             if reply.status != OK and self.error_feedback:
                 if before is None:
                     self.residuals.pop(fragment, None)
@@ -114,10 +124,25 @@ class Link:
             reply = ray.get(self.driver.result.remote(fragment, step, self.replica, version, average_only))
         down = reply.nbytes
         self._sleep(down)
-        new_global = decode_reply(old_global, reply)
+        new_global = decode_reply(old_global, resolve_reply(reply))
         with self._lock:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version)
+
+    def _encode(self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None) -> np.ndarray | None:
+        """The uplink message as a numpy buffer (None: non-finite, abstain): with ``none`` the fp32
+        pseudo-gradient itself (no copy, no framing); otherwise the framed quantised bytes, with
+        error feedback."""
+        if not bool(torch.isfinite(delta).all()):
+            return None
+        if self.fmt == "none":
+            if self.error_feedback:  # fp32 loses nothing: the residual is spent
+                self.residuals.pop(fragment, None)
+            return (delta if before is None else delta + before).numpy()
+        message, residual = quantize_with_feedback(delta, self.fmt, before)
+        if self.error_feedback:
+            self.residuals[fragment] = residual
+        return np.frombuffer(message, np.uint8)
 
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty

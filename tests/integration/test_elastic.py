@@ -48,6 +48,7 @@ def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
     later; 2's late pseudo-gradient is dropped, and its reply brings it to the same global
     parameters bitwise."""
     from ray_diloco.core.wire import decode_reply
+    from ray_diloco.runtime.link import resolve_reply
 
     ray = ray_session
     driver, theta0, cfg = _driver(ray)
@@ -63,7 +64,7 @@ def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
     assert np.array_equal(glob, ref.params[0].numpy())
     late = ray.get(driver.exchange.remote(0, 5, 2, 100.0, m2, 0))
     assert late.status == "dropped" and late.version == 1
-    assert np.array_equal(decode_reply(torch.from_numpy(theta0), late).numpy(), glob)
+    assert np.array_equal(decode_reply(torch.from_numpy(theta0), resolve_reply(late)).numpy(), glob)
     (glob2,) = ray.get(driver.global_params.remote())
     assert np.array_equal(glob, glob2)  # the late pseudo-gradient changed nothing
     events = ray.get(driver.take_events.remote())
@@ -126,6 +127,40 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
     ray.kill(driver)
 
 
+def test_the_driver_answers_pings_and_joins_while_it_steps_a_large_fragment(ray_session):
+    """Two fp4 pseudo-gradients of a 4M-value fragment (decode, mean, outer step, encode: seconds
+    of maths here) sent by reference: pings and a membership call made meanwhile are answered
+    in a small part of the round's time (the maths runs on its own thread, not on the actor's
+    event loop), and both replicas get one shared reply object."""
+    from ray_diloco.runtime.driver import OuterDriverActor
+
+    ray = ray_session
+    n = 4_000_000
+    cfg = load_config({"diloco": {"replicas": 2, "sync_timeout_s": 600.0}, "inner": {"global_batch": 4},
+                       "streaming": {"quantization": "fp4_e3m0"}})
+    driver = OuterDriverActor.remote([np.zeros(n, np.float32)], cfg.to_dict())
+    ray.get(driver.ping.remote())
+    refs = [ray.put(np.frombuffer(quantize_message(torch.randn(n), "fp4_e3m0")[0], np.uint8)) for _ in range(2)]
+    t0 = time.monotonic()
+    pending = [driver.exchange.remote(0, 5, m, 1.0, [refs[m]], 0) for m in (0, 1)]
+    latencies = []
+    while len(ray.wait(pending, num_returns=2, timeout=0)[0]) < 2:
+        t = time.monotonic()
+        ray.get(driver.ping.remote())
+        if not latencies:
+            ray.get(driver.add_member.remote(7, 100))
+        latencies.append(time.monotonic() - t)
+        time.sleep(0.01)
+    round_s = time.monotonic() - t0
+    replies = ray.get(pending)
+    print(f"\nround {round_s:.2f} s; {len(latencies)} pings, slowest {max(latencies):.3f} s")
+    assert round_s > 0.5 and len(latencies) >= 3
+    assert max(latencies) < 0.25 * round_s, (max(latencies), round_s)
+    assert [r.status for r in replies] == ["ok", "ok"] and replies[0].message == replies[1].message
+    assert 7 in ray.get(driver.member_ids.remote())
+    ray.kill(driver)
+
+
 # ---------------------------------------------------------------------------------------
 # with real replicas
 
@@ -142,7 +177,6 @@ def test_a_replica_killed_mid_round_does_not_report_that_round(ray_session, tmp_
     """A replica killed 0.3 s into a round of several seconds dies in it: its ``pid`` is
     answered while it trains (long before the round ends), it reports no loss for that round,
     the round ends as a death, and the survivor holds the driver's global parameters."""
-
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=300, run__eval_every=0,
                                      run__checkpoint_every=0, diloco__H=150, diloco__cpus_per_worker=0.5,
                                      network__latency_ms=1.0))

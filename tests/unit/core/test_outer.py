@@ -104,8 +104,9 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     (its process starts while the replicas start); they can be given only once."""
     from ray_diloco.config import load_config
     from ray_diloco.runtime.driver import OuterDriverActor
-    from ray_diloco.core.wire import Downlink, apply_downlink
+    from ray_diloco.core.wire import Downlink, apply_downlink, message_values
     from ray_diloco.core.quantize import quantize_message
+    from ray_diloco.runtime.link import resolve_reply
 
     ray = ray_session
     cfg = load_config({"streaming": {"quantization": fmt}})
@@ -127,16 +128,22 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         assert not ready  # the round waits for the second replica
         replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
         assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
+        assert isinstance(replies[0].message, ray.ObjectRef)  # one object for every receiver
+        reply = resolve_reply(replies[0])
         out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
         out["message"] = downlink.encode(local, 0, out["before"])
-        assert replies[0].message == out["message"] and not replies[0].resync
-        held = apply_downlink(held, replies[0].message)
+        fmt_got, values = message_values(reply.message)
+        assert fmt_got == fmt and np.array_equal(values, message_values(out["message"])[1]) and not reply.resync
+        assert reply.nbytes == len(out["message"])
+        held = apply_downlink(held, reply.message)
         (glob,) = ray.get(driver.global_params.remote())
         assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
     assert ray.get(driver.state_hash.remote()) == local.state_hash()
     assert ray.get(driver.pending_rounds.remote()) == 0  # no round left open
-    late = ray.get(driver.exchange.remote(0, 2, 0, 1.0, msgs[0], 1))  # a round already completed
-    assert late.status == "ok" and late.version == 2  # its own reply again (replica 0 was in it)
+    late = ray.get(driver.exchange.remote(0, 3, 0, 1.0, msgs[0], 2))  # the newest completed round
+    assert late.status == "ok" and late.version == 3  # its own reply again (replica 0 was in it)
+    old = ray.get(driver.exchange.remote(0, 2, 0, 1.0, msgs[0], 1))  # forgotten (one kept per fragment)
+    assert old.status == "dropped" and old.resync and old.version == 3
     stale = ray.get(driver.exchange.remote(0, 1, 0, 1.0, msgs[0], 2))  # a version not the round's base: resync
     assert stale.resync and stale.version == 3
     for bad in [(5, 9, 0, 1.0, msgs[0]),  # no such fragment
