@@ -78,8 +78,8 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
     if origin is typing.Literal:
         return _coerce(value, str, key, errors)
     if origin is list:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v] if value else []
+        if isinstance(value, str):  # --set key=a,b; an empty value, none, null or [] is the empty list
+            value = [] if value.strip().lower() in ("", "none", "null", "[]") else [v for v in value.split(",") if v]
         if not isinstance(value, list):
             errors.append(f"{key} = {value!r}: expected a list")
             return None
@@ -176,10 +176,13 @@ def load_config(
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, "", nested, errors)
+    if validate:  # a --set that could not be read keeps its old value: the other fields still get checked
+        try:
+            validate_config(cfg)
+        except ConfigError as e:
+            errors += e.problems
     if errors:
         raise ConfigError(errors)
-    if validate:
-        validate_config(cfg)
     return cfg
 
 

@@ -80,6 +80,18 @@ def test_several_problems_one_line_each():
     assert len(e.value.problems) == 3
 
 
+def test_a_set_value_of_the_wrong_type_does_not_hide_the_other_problems():
+    """A --set that cannot be read and a --set that reads but is out of range: both lines."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["inner.lr=abc", "diloco.H=0"])
+    assert e.value.problems == ["inner.lr = 'abc': expected float", "diloco.H = 0: must be an integer >= 1"]
+
+
+@pytest.mark.parametrize("value", ["none", "None", "null", "[]", ""])
+def test_an_empty_list_from_the_command_line(value):
+    assert load_config(None, [f"tracking.tags={value}"]).tracking.tags == []
+
+
 def test_divisibility_message_names_the_product():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["diloco.replicas=4", "diloco.workers_per_replica=2", "inner.global_batch=12"])
