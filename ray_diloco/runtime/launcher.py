@@ -110,7 +110,7 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
             a, b = a[name], b[name]
         if isinstance(a, dict):
             problems += [f"{section}.{k} = {a[k]!r}: the checkpoint was trained with {b[k]!r}; it cannot change "
-                         "on resume" for k in a if a[k] != b.get(k) and k != "cpus_per_worker"]
+                         "on resume" for k in a if a[k] != b.get(k)]
         elif a != b:
             problems.append(f"{key} = {a!r}: the checkpoint was trained with {b!r}; it cannot change on resume")
     if problems:
