@@ -142,7 +142,8 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
 
     Returns a dict with ``step_s``, ``method``, ``bits_per_value`` and either ``bandwidth_gbps``,
     ``utilisation``, ``compute_s``, ``total_s`` or ``required_gbps`` (target -> Gbit/s)."""
-    from ray_diloco.analysis.simulate import TARGETS, Method, ModelSpec, Network, required_bandwidth, step_time_s, wall_clock
+    from ray_diloco.analysis.simulate import (TARGETS, Method, ModelSpec, Network, link_factor, required_bandwidth,
+                                              step_time_s, wall_clock)
 
     tokens = cfg.inner.global_batch * cfg.data.seq_len
     step = step_time_s(p["params"], tokens, chips * cfg.diloco.replicas, tflops, mfu)  # the batch is split over M
@@ -161,10 +162,15 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
     out: dict[str, Any] = {"step_s": step, "tokens_per_step": tokens, "chips_per_replica": chips, "method": method.kind,
                            "bits_per_value": method.wire_bits, "latency_s": latency, "steps": p["steps"]}
     bw = bandwidth_gbps if bandwidth_gbps is not None else cfg.network.bandwidth_gbps
+    exchange = "ring" if method.kind == "dp" else "server"  # DDP all-reduces; DiLoCo goes through the driver
+    out.update(exchange=exchange, link_factor=link_factor(Network(1.0, 0.0, replicas, exchange), method.kind == "dp"),
+               ring_factor=link_factor(Network(1.0, 0.0, replicas)))
     if bw is not None:
-        out.update({"bandwidth_gbps": bw, **wall_clock(model, method, Network(bw, latency, replicas), p["steps"])})
+        net = Network(bw, latency, replicas, exchange)
+        out.update({"bandwidth_gbps": bw, **wall_clock(model, method, net, p["steps"])})
     else:
-        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas) for t in TARGETS}
+        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas, exchange=exchange)
+                                for t in TARGETS}
     return out
 
 
@@ -173,6 +179,9 @@ def format_wall_clock(w: dict[str, Any]) -> str:
     head = (f"simulated: {w['method']}, {w['bits_per_value']:.3g} bits per value on the wire, {w['step_s']:.4g} s of "
             f"compute per step ({w['tokens_per_step']:,} tokens over the replicas, {w['chips_per_replica']} chip(s) "
             "each)")
+    if w["exchange"] == "server":
+        head += (f"\nthe outer exchange goes through the outer-optimiser actor: its link moves {w['link_factor']:.3g} x "
+                 f"the synced values each way (a ring all-reduce: {w['ring_factor']:.3g} x)")
     if "total_s" in w:
         return "\n".join([head, f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "
                                  f"{w['total_s'] / 3600:.3g} h for {w['steps']:,} steps "

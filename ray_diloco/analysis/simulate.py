@@ -6,7 +6,12 @@ The model, one training step of a model with ``layers`` blocks and ``step_s`` se
 (forward 1/3 of it, backward 2/3, from 6 x N x tokens FLOPs at the chip speed and MFU):
 
 - a reduction moves ``2 x n x (1 - 1/R) x bits`` over the slow link for ``n`` parameters between
-  ``R`` replicas (a ring all-reduce), at ``W`` Gbit/s, plus the latency once per message;
+  ``R`` replicas (a ring all-reduce: the papers' model and the DP baseline), at ``W`` Gbit/s,
+  plus the latency once per message. ``Network.exchange = "server"`` models this project's
+  outer exchange instead (:func:`link_factor`): the outer-optimiser actor receives every
+  replica's pseudo-gradient and sends each replica node one reply, so its link moves
+  ``R x n x bits`` each way (``shards`` owners spread over the replica nodes cut it to
+  ``(R + K - 2) / K x n x bits``, the ring's figure at K = R);
 - every reduction overlaps the backward pass: each layer's share is sent when that layer's
   backward ends, one message after the other on the link; what is still on the link when the
   backward pass ends is exposed, and the next forward waits for it;
@@ -56,14 +61,47 @@ PAPER_MODELS = {"1B": ModelSpec("1B", 1e9, 24, 0.1), "10B": ModelSpec("10B", 1e1
                 "100B": ModelSpec("100B", 1e11, 108, 4.9)}
 
 
+EXCHANGES = ("ring", "server")
+
+
 @dataclass(frozen=True)
 class Network:
     """The slow link between replicas: ``bandwidth_gbps`` (Gbit/s), ``latency_s`` (seconds per
-    message) and ``replicas`` (R, the number of parties in the all-reduce)."""
+    message), ``replicas`` (R, the number of parties), and how DiLoCo's outer gradients travel
+    (``exchange``): ``ring`` (a ring all-reduce, the papers' model) or ``server`` (this
+    project's outer-optimiser actor, ``shards`` K of them; see :func:`link_factor`). DP always
+    all-reduces in a ring."""
 
     bandwidth_gbps: float
     latency_s: float = 0.0
     replicas: int = 2
+    exchange: str = "ring"
+    shards: int = 1
+
+
+def link_factor(net: Network, all_reduce: bool = False) -> float:
+    """Values of one reduction of ``n`` parameters on the busiest link, per direction, in units of
+    ``n`` (full-duplex links).
+
+    - ring all-reduce (``all_reduce``, or ``exchange == "ring"``): ``2 (R - 1) / R`` per node;
+    - ``server``, K = 1: the outer-optimiser actor on its own node receives R pseudo-gradients
+      and sends R replies (one object per replica node): ``R``;
+    - ``server``, K > 1 shards, one on each of K replica nodes (K <= R): a shard node sends the
+      other R - 1 replicas their reply slice (``(R - 1) / K``) and its own replica's other
+      slices to the other shards (``(K - 1) / K``): ``(R + K - 2) / K``, the ring's figure at
+      K = R.
+
+    Raises:
+        ConfigError: an unknown exchange, or shards outside [1, R].
+    """
+    R = net.replicas
+    if all_reduce or net.exchange == "ring":
+        return 2.0 * (1.0 - 1.0 / R)
+    if net.exchange != "server":
+        raise ConfigError([f"exchange = {net.exchange!r}: must be one of {', '.join(EXCHANGES)}"])
+    if not 1 <= net.shards <= max(1, R):
+        raise ConfigError([f"shards = {net.shards}: must be in [1, {R}] (one per replica node at most)"])
+    return float(R) if net.shards == 1 else (R + net.shards - 2) / net.shards
 
 
 @dataclass(frozen=True)
@@ -115,7 +153,7 @@ def compute_utilisation(model: ModelSpec, method: Method, net: Network) -> float
     """Compute time / (compute time + exposed communication time), in [0, 1] (model of the module
     docstring)."""
     backward = model.step_s * (1.0 - FORWARD_FRACTION)
-    ring = 2.0 * (1.0 - 1.0 / net.replicas)
+    ring = link_factor(net, all_reduce=method.kind == "dp")
     if method.kind in ("dp", "diloco"):
         bits = ring * model.params * method.wire_bits
         exposed = _exposed_after_backward(bits, model.layers, backward, net)
@@ -131,11 +169,12 @@ def compute_utilisation(model: ModelSpec, method: Method, net: Network) -> float
 
 
 def required_bandwidth(model: ModelSpec, method: Method, target: float, latency_s: float = 0.0,
-                       replicas: int = 2, grid: Any = BANDWIDTH_GRID_GBPS) -> float | None:
+                       replicas: int = 2, grid: Any = BANDWIDTH_GRID_GBPS, exchange: str = "ring",
+                       shards: int = 1) -> float | None:
     """The smallest bandwidth of ``grid`` (Gbit/s) at which the utilisation reaches ``target``;
     None when even the largest does not."""
     for w in grid:
-        if compute_utilisation(model, method, Network(float(w), latency_s, replicas)) >= target:
+        if compute_utilisation(model, method, Network(float(w), latency_s, replicas, exchange, shards)) >= target:
             return float(w)
     return None
 

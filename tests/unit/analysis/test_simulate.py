@@ -118,10 +118,35 @@ def test_plan_wall_clock_uses_the_runs_method_and_wire_size():
     assert w["step_s"] == pytest.approx(6 * p["params"] * tokens / (2 * cfg.diloco.replicas * 100e12 * 0.5))
     assert w["method"] == "diloco" and w["bits_per_value"] == pytest.approx(32, rel=1e-3)
     model = ModelSpec("x", p["params"], 4, w["step_s"])
-    cu = compute_utilisation(model, Method("diloco", H=10, bits=w["bits_per_value"]), Network(1.0, 0.0, 2))
+    cu = compute_utilisation(model, Method("diloco", H=10, bits=w["bits_per_value"]), Network(1.0, 0.0, 2, "server"))
     assert w["utilisation"] == pytest.approx(cu) and w["total_s"] == pytest.approx(100 * w["step_s"] / cu)
+    ring = compute_utilisation(model, Method("diloco", H=10, bits=w["bits_per_value"]), Network(1.0, 0.0, 2))
+    assert (w["exchange"], w["link_factor"], w["ring_factor"]) == ("server", 2.0, 1.0) and cu < ring
     cfg = load_config(None, ["run.steps=100", "diloco.H=10", "streaming.fragments=2", "streaming.overlap_steps=1",
                              "streaming.quantization=int8"])
     w = wall_clock_plan(cfg, sync_plan(cfg), chips=2, tflops=100.0, mfu=0.5)
     assert w["method"] == "streaming_overlap" and 8 < w["bits_per_value"] < 8.5 and set(w["required_gbps"]) == {
         "0.5", "0.8", "0.9", "0.95", "0.99"}
+
+
+def test_link_factor_of_the_ring_the_outer_optimiser_actor_and_its_shards():
+    """Values per direction on the busiest link, in units of the synced values: a ring all-reduce
+    2(R-1)/R; the outer-optimiser actor R (R pseudo-gradients in, R replies out); K shards
+    spread over the replica nodes (R+K-2)/K, the ring's figure at K = R; DP is always a ring."""
+    from ray_diloco.analysis.simulate import link_factor
+    from ray_diloco.errors import ConfigError
+
+    assert link_factor(Network(1.0, replicas=2)) == 1.0 and link_factor(Network(1.0, replicas=8)) == 1.75
+    assert link_factor(Network(1.0, replicas=8, exchange="server")) == 8.0
+    assert link_factor(Network(1.0, replicas=8, exchange="server", shards=8)) == 1.75
+    assert link_factor(Network(1.0, replicas=8, exchange="server", shards=2)) == 4.0
+    assert link_factor(Network(1.0, replicas=8, exchange="server"), all_reduce=True) == 1.75
+    two = ModelSpec("x", 1e9, 1, 1.0)
+    slow = compute_utilisation(two, Method("diloco", H=10), Network(4.0, replicas=8, exchange="server"))
+    assert slow < compute_utilisation(two, Method("diloco", H=10), Network(4.0, replicas=8))
+    assert compute_utilisation(two, Method("dp"), Network(4.0, replicas=8, exchange="server")) == \
+        compute_utilisation(two, Method("dp"), Network(4.0, replicas=8))
+    with pytest.raises(ConfigError, match="shards = 9"):
+        link_factor(Network(1.0, replicas=8, exchange="server", shards=9))
+    with pytest.raises(ConfigError, match="exchange = 'mesh'"):
+        link_factor(Network(1.0, replicas=8, exchange="mesh"))
