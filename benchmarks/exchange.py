@@ -16,7 +16,11 @@ its sync step. For each (P, M, format):
 - ``sync_gb_s``: the bytes a replica moves in one sync (up + down) / ``sync_s``;
 - ``outer_peak_rss_u``, ``worker_peak_rss_u``: the peak resident memory (``VmHWM`` from /proc)
   of the outer-optimiser actor and of the largest replica worker, in units of U = 4 P bytes
-  (one fp32 copy of the model);
+  (one fp32 copy of the model). Resident memory counts the object-store pages a process has
+  mapped (the pseudo-gradients the actor read, the replies it wrote), which the object store
+  owns and frees; so each is split, sampled every 50 ms, into ``*_private_u`` (``RssAnon``:
+  the process's own memory) and ``*_shmem_u`` (``RssShmem``: object-store pages mapped);
+  ``job_private_u``: the job's process (the trainer);
 - ``run_extra_u``: the peak over the run of the private memory of every process of the run
   (this one, the outer-optimiser actor, the workers; ``RssAnon``, sampled every 50 ms) plus the
   object store's bytes in use, minus the same figure for a run with P = 1000 (the processes'
@@ -53,7 +57,7 @@ class BigModel(torch.nn.Module):
 
     def __init__(self, params: int, vocab_size: int):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(params) * 0.02)
+        self.w = torch.nn.Parameter(torch.empty(params).normal_(0.0, 0.02))  # in place: no temporary
         self.bias = torch.nn.Parameter(torch.zeros(vocab_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -96,10 +100,13 @@ def _store_bytes() -> int:
 
 class Sampler:
     """Samples ``sum(RssAnon of pids) + object store bytes in use`` every ``every`` seconds and
-    keeps the peak."""
+    keeps the peak; also each process's peak private (``RssAnon``) and peak mapped object-store
+    (``RssShmem``) memory."""
 
     def __init__(self, pids: list[int], every: float = 0.05):
         self.pids, self.every, self.peak = pids, every, 0
+        self.private = {p: 0 for p in pids}
+        self.shmem = {p: 0 for p in pids}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -114,7 +121,11 @@ class Sampler:
                 except Exception:
                     pass
             n += 1
-            self.peak = max(self.peak, sum(_status(p, "RssAnon") for p in self.pids) + store)
+            anon = {p: _status(p, "RssAnon") for p in self.pids}
+            for p in self.pids:
+                self.private[p] = max(self.private[p], anon[p])
+                self.shmem[p] = max(self.shmem[p], _status(p, "RssShmem"))
+            self.peak = max(self.peak, sum(anon.values()) + store)
             self._stop.wait(self.every)
 
     def stop(self) -> int:
@@ -170,7 +181,10 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
         t.shutdown()
     sync_s = statistics.median(syncs)
     return {"sync_s": sync_s, "sync_s_all": syncs, "bytes_per_sync": int(statistics.median(moved)),
-            "outer_peak_rss": outer_hwm, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total}
+            "outer_peak_rss": outer_hwm, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total,
+            "outer_private": sampler.private[outer_pid], "outer_shmem": sampler.shmem[outer_pid],
+            "worker_private": max(sampler.private[p] for p in worker_pids),
+            "worker_shmem": max(sampler.shmem[p] for p in worker_pids), "job_private": sampler.private[os.getpid()]}
 
 
 def _allreduce_proc(rank: int, world: int, port: int, params: int, reps: int, out) -> None:
@@ -241,7 +255,7 @@ def main() -> None:
     out_dir = tempfile.mkdtemp(prefix="exchange-bench-")
     base = {m: measure_sync(1000, m, "none", 2, corpus, out_dir)["run_peak_total"] for m in args.replicas}
     print(f"{'P':>6} {'M':>2} {'format':>9} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
-          f"{'GB/s':>6} {'outer_U':>7} {'worker_U':>8} {'extra_U':>7}", flush=True)
+          f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7}", flush=True)
     for p in (int(x) for x in args.params):
         U = 4 * p
         memcpy_s = measure_memcpy(p)
@@ -256,12 +270,16 @@ def main() -> None:
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
                        "bytes_per_sync": r["bytes_per_sync"], "sync_s_all": r["sync_s_all"],
                        "outer_peak_rss_u": r["outer_peak_rss"] / U, "worker_peak_rss_u": r["worker_peak_rss"] / U,
+                       "outer_private_u": r["outer_private"] / U, "outer_shmem_u": r["outer_shmem"] / U,
+                       "worker_private_u": r["worker_private"] / U, "worker_shmem_u": r["worker_shmem"] / U,
+                       "job_private_u": r["job_private"] / U,
                        "run_extra_u": (r["run_peak_total"] - base[m]) / U,
                        "load_avg_1m": os.getloadavg()[0]}
                 rows.append(row)
                 print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
                       f"{memcpy_s:>8.3f} {row['sync_gb_s']:>6.2f} {row['outer_peak_rss_u']:>7.1f} "
-                      f"{row['worker_peak_rss_u']:>8.1f} {row['run_extra_u']:>7.1f}   (load {row['load_avg_1m']:.1f})",
+                      f"{row['outer_private_u']:>6.1f} {row['worker_peak_rss_u']:>8.1f} {row['worker_private_u']:>6.1f} "
+                      f"{row['run_extra_u']:>7.1f}   (load {row['load_avg_1m']:.1f})",
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -114,6 +114,22 @@ def flatten(params: dict[str, torch.Tensor], fragment: Fragment) -> torch.Tensor
     return torch.cat([params[p.name].detach().reshape(-1).to("cpu", torch.float32) for p in fragment.params])
 
 
+def pseudo_gradient(global_flat: torch.Tensor, params: dict[str, torch.Tensor], fragment: Fragment,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``global - local`` for ``fragment`` (fp32 CPU ``[fragment.numel]``: ``out`` when given, else
+    a new tensor), computed parameter by parameter straight into the result: bitwise
+    ``global_flat - flatten(params, fragment)`` without the flattened copy (DiLoCo, arXiv
+    2311.08105, Algorithm 1 line 8)."""
+    if out is None:
+        out = torch.empty(fragment.numel, dtype=torch.float32)
+    off = 0
+    for p in fragment.params:
+        local = params[p.name].detach().reshape(-1).to("cpu", torch.float32)
+        torch.sub(global_flat[off : off + p.numel], local, out=out[off : off + p.numel])
+        off += p.numel
+    return out
+
+
 def unflatten_into(params: dict[str, torch.Tensor], fragment: Fragment, flat: torch.Tensor) -> None:
     """Copy ``flat`` (``[fragment.numel]``, any float dtype, any device) into the parameters in place.
 

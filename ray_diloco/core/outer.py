@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -35,8 +37,10 @@ def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.O
     raise ValueError(f"outer.name = {cfg.name!r}: must be one of nesterov, sgd, adam")
 
 
-#: Values per chunk of the streaming sums (fp32: 4 MiB), so no temporary is as large as a fragment.
-CHUNK = 1 << 20
+#: Values per chunk of the streaming passes (fp32: 1 MiB): every pass over a fragment (the
+#: checks, the mean, the outer step) runs chunk by chunk, so its operands stay in cache and no
+#: temporary is as large as the fragment. A multiple of every SIMD width (same bits as one pass).
+CHUNK = 1 << 18
 
 
 def _chunks(n: int):
@@ -44,16 +48,29 @@ def _chunks(n: int):
         yield slice(s, min(n, s + CHUNK))
 
 
+def _view(values: np.ndarray) -> torch.Tensor:
+    """A torch view of fp32 ``values`` (also of a read-only object-store array: never written)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns about non-writable arrays
+        return torch.from_numpy(values)
+
+
 def finite_norm(values: np.ndarray) -> float | None:
-    """The L2 norm (fp64 accumulation, chunked) of fp32 ``values`` ``[n]``, or None if any value
-    is not finite."""
+    """The L2 norm of fp32 ``values`` ``[n]``, or None if any value is not finite; one read pass
+    in chunks. Each chunk's sum of squares is an fp32 dot product (chunk sums added in fp64);
+    a chunk whose fp32 sum is not finite is checked element-wise and, if its values are finite
+    (squares beyond fp32's range), summed in fp64, where fp32 squares cannot overflow."""
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
     sq = 0.0
     for sl in _chunks(values.size):
-        c = values[sl]
-        if not np.isfinite(c).all():
-            return None
-        sq += float(np.dot(c.astype(np.float64), c.astype(np.float64)))
-    return float(np.sqrt(sq))
+        c = _view(values[sl])
+        part = float(torch.dot(c, c))
+        if not math.isfinite(part):
+            if not bool(torch.isfinite(c).all()):
+                return None
+            part = float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+        sq += part
+    return math.sqrt(sq)
 
 
 class OrderedMean:
@@ -61,9 +78,10 @@ class OrderedMean:
     replica-id order), reproducible bit for bit and equal to the plain fp32 DiLoCo mean
     ``sum_i fl(d_i * w_i / W)`` summed in that order (DiLoCo, arXiv 2311.08105, Algorithm 1
     line 10). Terms are kept by reference (an object-store view of a ``none`` message is not
-    copied) until :meth:`take`, which sums them in one pass over chunks of :data:`CHUNK`
-    values: the only fp32 ``[numel]`` buffer it allocates is the result (the total weight
-    ``W`` is known only when the round closes, so the terms cannot be scaled before).
+    copied) and summed chunk by chunk (:meth:`chunk`, :data:`CHUNK` values) when the round
+    closes (the total weight ``W`` is known only then, so the terms cannot be scaled before):
+    ``OuterOptimizer.step_ordered`` consumes the mean a chunk at a time in the same pass as the
+    outer step, so no fragment-sized mean is ever allocated; :meth:`take` builds the whole mean.
     """
 
     def __init__(self, numel: int):
@@ -95,6 +113,14 @@ class OrderedMean:
         self.terms.append((d, float(weight)))
         self.total += float(weight)
 
+    def chunk(self, sl: slice, out: torch.Tensor) -> torch.Tensor:
+        """The mean's values ``[sl]``, written into the start of ``out`` (fp32, at least that many
+        values) and returned: ``0 + sum_i d_i[sl] * (w_i / W)`` in the order added."""
+        a = out[: sl.stop - sl.start].zero_()
+        for d, w in self.terms:
+            a.add_(_view(d[sl]), alpha=w / self.total)
+        return a
+
     def take(self) -> torch.Tensor:
         """The mean (fp32 ``[numel]``, a new tensor); the terms are dropped.
 
@@ -102,11 +128,9 @@ class OrderedMean:
             ValueError: nothing was added."""
         if not self.terms:
             raise ValueError("no pseudo-gradient to average")
-        acc = torch.zeros(self.numel, dtype=torch.float32)
+        acc = torch.empty(self.numel, dtype=torch.float32)
         for sl in _chunks(self.numel):
-            a = acc[sl]
-            for d, w in self.terms:
-                a.add_(torch.from_numpy(d[sl].copy()), alpha=w / self.total)
+            self.chunk(sl, acc[sl])
         self.terms = []
         return acc
 
@@ -159,7 +183,8 @@ class OuterOptimizer:
     # -- the outer step --------------------------------------------------------------------
     def step(self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
              ) -> dict[str, Any]:
-        """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32.
+        """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32
+        (the driver's arithmetic, :meth:`step_ordered`, with the terms in the order given).
 
         The weighted mean (fp32) is the gradient of the fragment's outer optimiser; with
         ``average_only`` (the closing round of a run, see ``SyncSchedule``) the global fragment
@@ -169,49 +194,91 @@ class OuterOptimizer:
 
         Returns ``{"before": fp32 [numel_p] (the global fragment before the step),
         "update_norm": float, "step": int, "delta_norms": [float per replica]}``.
+
+        Raises:
+            ValueError: empty input, mismatched shapes or non-positive total weight.
         """
+        if not deltas or len(deltas) != len(weights):
+            raise ValueError(f"got {len(deltas)} pseudo-gradients and {len(weights)} weights")
         p = self.params[fragment]
-        mean = average_pseudo_gradients(list(deltas), list(weights))
+        mean = OrderedMean(p.numel())
+        for d, w in zip(deltas, weights):
+            if w > 0:
+                mean.add(d, w)
+        if mean.total <= 0:
+            raise ValueError(f"total weight {mean.total} must be > 0")
         before = p.clone()
-        self.step_mean(fragment, mean, average_only)
-        out: dict[str, Any] = {"before": before}
-        out.update(update_norm=float((p - before).norm()), step=self.steps[fragment],
-                   delta_norms=[float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas])
-        return out
+        self.step_ordered(fragment, mean, average_only)
+        return {"before": before, "update_norm": float((p - before).norm()), "step": self.steps[fragment],
+                "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas]}
 
-    def step_mean(self, fragment: int, mean: torch.Tensor, average_only: bool = False) -> float:
-        """The outer step of ``fragment`` with the mean pseudo-gradient (fp32 ``[numel_p]``, owned by
-        the caller and overwritten: no temporary as large as the fragment for SGD/Nesterov).
+    def step_ordered(self, fragment: int, mean: OrderedMean, average_only: bool = False,
+                     keep_update: bool = False) -> tuple[float, torch.Tensor | None]:
+        """The outer step of ``fragment`` with the mean of ``mean``'s terms (dropped after).
 
-        SGD/Nesterov run torch's ``SGD`` update (``torch.optim.sgd``, dampening 0, no weight
-        decay) in place on ``mean`` with the optimiser's own momentum buffer: the same
-        arithmetic and state dict. Adam calls torch's optimiser. With ``average_only`` the
-        global fragment moves by ``-mean`` (lr 1, no momentum, state untouched).
+        SGD/Nesterov run torch's ``SGD`` update (``torch.optim.sgd``: dampening 0, no weight
+        decay; the first step copies the gradient into the momentum buffer) with the
+        optimiser's own momentum buffer, chunk by chunk in ONE pass that also computes the mean
+        (:meth:`OrderedMean.chunk`): the same arithmetic and state dict as torch, and no
+        fragment-sized temporary. Adam calls torch's optimiser on the whole mean. With
+        ``average_only`` the global fragment moves by ``-mean`` (lr 1, no momentum, state
+        untouched).
 
-        Returns the norm of the update (``lr`` x the norm of the step direction).
+        With ``keep_update`` the global fragment is left as it was and the update ``new - old``
+        (fp32 ``[numel_p]``, bitwise what the step adds) is returned for the downlink to
+        quantise (``core.wire.Downlink.encode_update`` then applies what receivers apply);
+        otherwise the fragment is stepped in place and None is returned with the norm.
+
+        Returns ``(update_norm, update or None)``: the norm of the step taken (``lr`` x the norm of
+        the step direction; fp32 chunk norms combined in fp64).
         """
         p, opt = self.params[fragment], self.opts[fragment]
         self.steps[fragment] += 1
         g = opt.param_groups[0]
         if not average_only and self.cfg.name == "adam":
+            full = mean.take()
             before = p.detach().clone()
-            p.grad = mean
+            p.grad = full
             opt.step()
             p.grad = None
-            return float((p.detach() - before).norm())
+            update = p.detach() - before
+            if keep_update:
+                with torch.no_grad():
+                    p.copy_(before)
+            return float(update.norm()), update if keep_update else None
         lr, mu = (1.0, 0.0) if average_only else (g["lr"], g["momentum"])
-        eff = mean
+        buf, first = None, False
         if mu != 0:
             state = opt.state[p]
             buf = state.get("momentum_buffer")
-            if buf is None:
-                state["momentum_buffer"] = buf = mean.detach().clone()
-            else:
-                buf.mul_(mu).add_(mean)
-            eff = mean.add_(buf, alpha=mu) if g["nesterov"] else buf
+            first = buf is None
+            if first:
+                state["momentum_buffer"] = buf = torch.empty_like(p.detach())
+        n = p.numel()
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
+        old = torch.empty_like(scratch) if keep_update else None
+        update = torch.empty(n, dtype=torch.float32) if keep_update else None
+        sq = 0.0
         with torch.no_grad():
-            p.add_(eff, alpha=-lr)
-        return lr * float(eff.norm())
+            for sl in _chunks(n):
+                eff = mean.chunk(sl, scratch)
+                if buf is not None:
+                    b = buf[sl]
+                    if first:
+                        b.copy_(eff)
+                    else:
+                        b.mul_(mu).add_(eff)
+                    eff = eff.add_(b, alpha=mu) if g["nesterov"] else b
+                pc = p.detach()[sl]
+                if keep_update:
+                    o = old[: pc.numel()].copy_(pc)
+                pc.add_(eff, alpha=-lr)
+                if keep_update:
+                    torch.sub(pc, o, out=update[sl])
+                    pc.copy_(o)
+                sq += float(eff.norm()) ** 2
+        mean.clear()
+        return lr * math.sqrt(sq), update
 
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state

@@ -16,6 +16,7 @@ No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driv
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import (decode, encode, from_message, message_nbytes, quantize_with_feedback,
-                                      to_message)
+from ray_diloco.core.quantize import (decode, encode, from_message, message_nbytes, quantize_message,
+                                      quantize_with_feedback, to_message)
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
 #: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
@@ -40,6 +41,24 @@ def message_size(message: Message | None) -> int:
     if isinstance(message, np.ndarray) and message.dtype == np.float32:
         return message_nbytes(message.size, "none")
     return len(message)
+
+
+#: Bytes per second that waits for a transfer allow on top of ``diloco.sync_timeout_s`` (the
+#: driver's round timeout, the trainer's straggler limit): a slow but live link moving a large
+#: fragment is not a dead replica.
+TRANSFER_FLOOR_BPS = 100e6
+
+
+def transfer_allowance_s(nbytes: int) -> float:
+    """Seconds allowed for moving ``nbytes`` at :data:`TRANSFER_FLOOR_BPS` (added to timeouts)."""
+    return nbytes / TRANSFER_FLOOR_BPS
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite, in one read pass: a finite sum proves it (a NaN or
+    an infinity makes the sum non-finite); only an overflowing sum of finite values needs the
+    element-wise check."""
+    return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def as_tensor(values: np.ndarray) -> torch.Tensor:
@@ -63,8 +82,9 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
     return packed.format, decode(packed)
 
 
-def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
-    """The new global fragment (fp32 ``[numel_p]``, a new tensor) from the driver's reply.
+def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The new global fragment (fp32 ``[numel_p]``, a new tensor, or ``out``: the driver writes
+    into its own global fragment) from the driver's reply.
 
     A ``none`` message carries the new global values themselves; any other format carries the
     quantised outer update, and the result is ``old_global + dequantised update`` computed in
@@ -77,8 +97,9 @@ def apply_downlink(old_global: torch.Tensor, message: bytes) -> torch.Tensor:
     if values.size != old_global.numel():
         raise ValueError(f"downlink has {values.size} values, the fragment has {old_global.numel()}")
     if fmt == "none":  # a raw array stays a (read-only) view: nothing decoded or copied
-        return as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
-    return old_global + torch.from_numpy(values)
+        new = as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
+        return new if out is None else out.copy_(new)
+    return torch.add(old_global, torch.from_numpy(values), out=out)
 
 
 def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
@@ -128,6 +149,30 @@ class Downlink:
             self.residuals[fragment] = residual
         opt.set_global(fragment, applied)
         return message
+
+    def encode_update(self, opt: Any, fragment: int, update: torch.Tensor) -> tuple[bytes, float]:
+        """The message of an outer step given as its update (``new - old``, fp32 ``[numel_p]``, as
+        ``OuterOptimizer.step_ordered(keep_update=True)`` returns it, the global fragment still
+        ``old``): bitwise :meth:`encode` of the same step, without a copy of the old fragment.
+        ``opt``'s global fragment becomes ``old + dequantised update`` in place (what every
+        receiver computes with :func:`apply_downlink`). Not for ``none`` (the reply is the
+        fragment itself). Returns the message and the norm of the update applied.
+
+        Raises:
+            ValueError: ``none`` format, or non-finite values."""
+        if self.fmt == "none":
+            raise ValueError("streaming.quantization = 'none': the reply is the global fragment, not an update")
+        residual = self.residuals[fragment]
+        value = update if residual is None else update + residual
+        del update
+        message, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
+        if self.error_feedback:  # as quantize_with_feedback: what the encoding lost
+            self.residuals[fragment] = value - sent
+        del value
+        p = opt.params[fragment].detach()
+        with torch.no_grad():
+            apply_downlink(p, message, out=p)
+        return message, float(sent.norm())
 
     def state_dict(self) -> list[Any]:
         """The residuals as fp32 arrays (None where there is none), for checkpoints."""

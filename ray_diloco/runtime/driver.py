@@ -29,8 +29,8 @@ round closes (bitwise the plain fp32 DiLoCo mean); the reply of a round is one o
 and shared by every receiver. Decoding, the mean,
 the outer step and the encoding run on one maths thread (FIFO: the order of the sums is fixed),
 never on the event loop, so pings and membership calls are answered during an outer step. Open
-rounds close within the timeout (plus :data:`TRANSFER_FLOOR_BPS` of transfer time for the
-fragment's bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
+rounds close within the timeout (plus ``core.wire.transfer_allowance_s`` of the fragment's
+bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
 """
 
 from __future__ import annotations
@@ -50,15 +50,13 @@ import torch
 
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
 from ray_diloco.core.quantize import from_message, message_nbytes
-from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_size, message_values
+from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_size, message_values,
+                                  transfer_allowance_s)
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 1
 #: Membership events kept until the trainer collects them.
 MAX_EVENTS = 1000
-#: Bytes per second a round's timeout allows for moving a fragment's pseudo-gradient on top of
-#: ``diloco.sync_timeout_s`` (a slow but live link is not a dead replica).
-TRANSFER_FLOOR_BPS = 100e6
 
 
 @dataclass
@@ -69,7 +67,7 @@ class _Round:
     opened: float
     mean: OrderedMean
     arrived: set[int] = field(default_factory=set)  # submitted, valid or not
-    held: dict[int, tuple[float, Any]] = field(default_factory=dict)  # waiting for their turn
+    held: dict[int, tuple[float, Any, int]] = field(default_factory=dict)  # weight, check, bytes: not yet added
     included: list[int] = field(default_factory=list)  # in the mean, in order
     norms: dict[int, float] = field(default_factory=dict)
     rejected: set[int] = field(default_factory=set)
@@ -97,6 +95,17 @@ def _maths_threads() -> int:
         return max(1, min(4, len(os.sched_getaffinity(0))))
     except AttributeError:
         return max(1, min(4, os.cpu_count() or 1))
+
+
+def _decode_and_check(message: Any) -> tuple[np.ndarray | None, float | None]:
+    """(a check thread) A pseudo-gradient's fp32 values (a view of a ``none`` message) and their
+    norm, or ``(None, None)`` when it is malformed or not finite."""
+    try:
+        values = message_values(message)[1]
+    except ValueError:
+        return None, None
+    norm = finite_norm(values)
+    return (values, norm) if norm is not None else (None, None)
 
 
 class _DriverState:
@@ -172,7 +181,7 @@ class _DriverState:
         """What the driver holds: open and finished rounds, their bytes (held pseudo-gradients,
         running means, kept replies), queued events and stats, and the process's resident
         memory (bytes, from /proc; 0 where unavailable)."""
-        held = sum(message_size(msg) for r in self.rounds.values() for _, msg in r.held.values())
+        held = sum(size for r in self.rounds.values() for _, _, size in r.held.values())
         held += sum(r.mean.nbytes for r in self.rounds.values())
         held += sum(f.size for f in self.finished.values())
         try:
@@ -214,16 +223,23 @@ class OuterDriver(_DriverState):
         self.failed_rounds = 0
         torch.set_num_threads(_maths_threads())
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
+        # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
+        self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
         if initial is not None:
-            self.init_global(initial)
+            self._set_global(initial)
 
-    def init_global(self, initial: list[np.ndarray]) -> None:
-        """Set the global parameters (fp32 ``[numel_p]`` per fragment) and a zero outer-optimiser
-        state, once, before any round.
+    async def init_global(self, initial: list[Any]) -> None:
+        """Set the global parameters (fp32 ``[numel_p]`` per fragment, or an ObjectRef of one: the
+        trainer passes rank 0's fragments by reference, so they never pass through the job's
+        process) and a zero outer-optimiser state, once, before any round.
 
         Raises:
             RuntimeError: the global parameters were already set.
         """
+        values = [await g if isinstance(g, ray.ObjectRef) else g for g in initial]
+        self._set_global(values)
+
+    def _set_global(self, initial: list[np.ndarray]) -> None:
         if self.opt is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
         self.opt = OuterOptimizer(initial, self.cfg.outer)
@@ -295,19 +311,17 @@ class OuterDriver(_DriverState):
         for m in sorted(r.held):
             if not final and any(w < m for w in waiting):
                 break
-            ready.append((m, *r.held.pop(m)))
+            weight, check, _ = r.held.pop(m)
+            ready.append((m, weight, check))
         if ready:
             asyncio.get_running_loop().run_in_executor(self._pool, self._add, fragment, step, r, ready)
 
     def _add(self, fragment: int, step: int, r: _Round, items: list[tuple[int, float, Any]]) -> None:
-        """(maths thread) Decode, check and add pseudo-gradients to the round's mean, in order; a
-        non-finite one is rejected."""
-        for m, weight, message in items:
-            try:
-                values = message_values(message)[1]
-                norm = finite_norm(values)
-            except ValueError:
-                norm = None
+        """(maths thread) Add the checked pseudo-gradients to the round's mean, in order (waiting
+        for their checks, :func:`_decode_and_check`); a non-finite one is rejected."""
+        for m, weight, check in items:
+            values, norm = check.result()
+            del check
             if norm is None:
                 r.rejected.add(m)
                 self._event("rejected", m, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
@@ -358,7 +372,7 @@ class OuterDriver(_DriverState):
         base = self.versions[fragment]
         order = list(r.included)
         if len(order) >= self.quorum and r.mean.total > 0:
-            ref, size, update_norm = self._downlink(fragment, r.mean.take(), r.average_only)
+            ref, size, update_norm = self._downlink(fragment, r.mean, r.average_only)
             self.versions[fragment] += 1
             self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
@@ -369,24 +383,24 @@ class OuterDriver(_DriverState):
                     cause="timeout" if self._expected(step) - r.arrived else "complete")
         return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
 
-    def _downlink(self, fragment: int, mean: torch.Tensor, average_only: bool) -> tuple[Any, int, float]:
-        """(maths thread) The outer step of ``fragment`` and its reply, put once into the object
-        store: with ``none`` the new global fragment itself; otherwise the quantised update
-        (``core.wire``), which the driver applies to its own copy exactly as every receiver
-        does (``core.wire.Downlink``). Returns the reference, the message's bytes and the norm of
-        the update applied."""
+    def _downlink(self, fragment: int, mean: OrderedMean, average_only: bool) -> tuple[Any, int, float]:
+        """(maths thread) The outer step of ``fragment`` (``OuterOptimizer.step_ordered``: the mean
+        and the step in one chunked pass) and its reply, put once into the object store: with
+        ``none`` the new global fragment itself; otherwise the quantised update, which the
+        driver applies to its own copy exactly as every receiver does
+        (``core.wire.Downlink.encode_update``). Returns the reference, the message's bytes and
+        the norm of the update applied."""
         s, p = self.cfg.streaming, self.opt.params[fragment]
         if s.quantization == "none":
-            norm = self.opt.step_mean(fragment, mean, average_only)
+            norm, _ = self.opt.step_ordered(fragment, mean, average_only)
             return ray.put(p.numpy()), message_nbytes(p.numel(), "none"), norm
-        before = p.clone()
-        self.opt.step_mean(fragment, mean, average_only)
-        del mean
-        message = self.downlink.encode(self.opt, fragment, before)
-        return ray.put(np.frombuffer(message, np.uint8)), len(message), float((p - before).norm())
+        _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
+        message, norm = self.downlink.encode_update(self.opt, fragment, update)
+        del update
+        return ray.put(np.frombuffer(message, np.uint8)), len(message), norm
 
     def _timeout_of(self, fragment: int) -> float:
-        return self.timeout_s + message_nbytes(self.opt.params[fragment].numel(), "none") / TRANSFER_FLOOR_BPS
+        return self.timeout_s + transfer_allowance_s(message_nbytes(self.opt.params[fragment].numel(), "none"))
 
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
         remaining = r.opened + self._timeout_of(fragment) - time.monotonic()
@@ -462,7 +476,7 @@ class OuterDriver(_DriverState):
             r.rejected.add(replica)
             self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
         else:
-            r.held[replica] = (float(weight), message)
+            r.held[replica] = (float(weight), self._checks.submit(_decode_and_check, message), message_size(message))
         del message
         self._maybe_finish(fragment, step)
         if not r.done.is_set():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
-from ray_diloco.core.wire import OK, Reply, SyncResult, decode_reply, link_delay_s, message_size
+from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
 
 
 def resolve_reply(reply: Reply) -> Reply:
@@ -112,9 +112,10 @@ class Link:
             self._sleep(up)
             ref = None if message is None else ray.put(message)  # once; the driver reads it in place
             del message
-            reply = ray.get(self.driver.exchange.remote(fragment, step, self.replica, weight,
-                                                        None if ref is None else [ref], version, average_only))
-            del ref
+            call = self.driver.exchange.remote(fragment, step, self.replica, weight,
+                                               None if ref is None else [ref], version, average_only)
+            del ref  # the driver holds it now: the object is freed as soon as the driver has summed it
+            reply = ray.get(call)
             if reply.status != OK and self.error_feedback:
                 if before is None:
                     self.residuals.pop(fragment, None)
@@ -133,7 +134,7 @@ class Link:
         """The uplink message as a numpy buffer (None: non-finite, abstain): with ``none`` the fp32
         pseudo-gradient itself (no copy, no framing); otherwise the framed quantised bytes, with
         error feedback."""
-        if not bool(torch.isfinite(delta).all()):
+        if not all_finite(delta):
             return None
         if self.fmt == "none":
             if self.error_feedback:  # fp32 loses nothing: the residual is spent

@@ -41,6 +41,7 @@ class SyncStrategy:
     all_reduces_every_step: ClassVar[bool]
     driver: Any = None  # the outer-optimiser actor handle, when there is one
     schedule: SyncSchedule | None = None  # when each fragment syncs, when there is an exchange
+    num_params: int = 0  # parameters of the model (set by attach): sizes the transfer allowances
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -179,11 +180,12 @@ class DiLoCoSync(SyncStrategy):
         from ray_diloco.runtime.cluster import all_workers
 
         c, rs = self.cfg, resume_state
+        self.num_params = trainer.num_params
         self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
                                      c.streaming.closing_round)
         w0 = trainer.replicas[0].rank0
         initial = rs["outer"]["global"] if rs is not None else \
-            ray.get([w0.local_fragment.remote(p) for p in range(trainer.num_fragments)])
+            [w0.local_fragment.remote(p) for p in range(trainer.num_fragments)]  # by reference
         ray.get(self.driver.init_global.remote(initial))
         trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
         if rs is not None:
@@ -198,7 +200,11 @@ class DiLoCoSync(SyncStrategy):
         return self.driver.ping.remote()
 
     def straggler_s(self) -> float:
-        return self.cfg.diloco.sync_timeout_s
+        """``diloco.sync_timeout_s`` plus the time a slow link needs to move the model's fp32 bytes
+        (``core.wire.transfer_allowance_s``): a replica still in a large exchange is not stuck."""
+        from ray_diloco.core.wire import transfer_allowance_s
+
+        return self.cfg.diloco.sync_timeout_s + transfer_allowance_s(4 * self.num_params)
 
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
         rank0 = [mtr for mtr in metrics if mtr["rank"] == 0]

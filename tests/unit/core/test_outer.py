@@ -152,3 +152,86 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):
             ray.get(driver.exchange.remote(*bad))
     ray.kill(driver)
+
+
+@pytest.mark.parametrize("name,momentum,average_only", [("nesterov", 0.9, False), ("sgd", 0.9, False),
+                                                         ("sgd", 0.0, False), ("nesterov", 0.9, True)])
+def test_the_chunked_step_is_bitwise_torch_sgd_on_the_ordered_mean(name, momentum, average_only):
+    """``step_ordered`` computes the mean and the step chunk by chunk (a fragment of several
+    chunks and a ragged end): bitwise torch's SGD on the whole mean (``OrderedMean.take``), the
+    momentum buffer included, over three steps; ``keep_update`` returns bitwise ``new - old`` and
+    leaves the global fragment as it was."""
+    from ray_diloco.core.outer import CHUNK, OrderedMean
+
+    n = 2 * CHUNK + 1001
+    theta0 = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    cfg = OuterConfig(name=name, lr=0.7, momentum=momentum)
+    outer, kept = OuterOptimizer([theta0], cfg), OuterOptimizer([theta0], cfg)
+    ref = torch.tensor(theta0)
+    sgd = torch.optim.SGD([ref], lr=1.0 if average_only else 0.7, momentum=0.0 if average_only else momentum,
+                          nesterov=name == "nesterov" and not average_only)
+    for k in range(3):
+        ds, ws = _deltas(40 + k, n, 3), [1.0, 3.0, 2.0]
+        means = []
+        for _ in range(3):
+            m = OrderedMean(n)
+            for d, w in zip(ds, ws):
+                m.add(d, w)
+            means.append(m)
+        norm, none = outer.step_ordered(0, means[0], average_only)
+        ref.grad = means[1].take()
+        sgd.step()
+        assert none is None and torch.equal(outer.params[0], ref)
+        before = kept.params[0].clone()
+        knorm, update = kept.step_ordered(0, means[2], average_only, keep_update=True)
+        assert torch.equal(kept.params[0], before) and torch.equal(update, ref - before)
+        kept.set_global(0, ref)
+        assert norm == pytest.approx(float((ref - before).norm()), rel=1e-5) and knorm == norm
+    if momentum and not average_only:
+        assert torch.equal(outer.opts[0].state[outer.params[0]]["momentum_buffer"], sgd.state[ref]["momentum_buffer"])
+    assert outer.state_hash() == kept.state_hash()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp4_e3m0"])
+def test_the_downlink_from_the_update_is_bitwise_the_downlink_from_the_step(fmt):
+    """The driver's path (``step_ordered(keep_update=True)`` then ``Downlink.encode_update``)
+    gives bitwise the message, global fragment and residual of the step-then-``encode`` path,
+    over three steps with error feedback; the norm is that of the dequantised update."""
+    from ray_diloco.core.outer import OrderedMean
+    from ray_diloco.core.wire import Downlink
+
+    n = 5000
+    theta0 = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    a, b = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
+    da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
+    for k in range(3):
+        ds = _deltas(60 + k, n, 2)
+        out = a.step(0, [1.0, 2.0], *ds)
+        msg_a = da.encode(a, 0, out["before"])
+        mean = OrderedMean(n)
+        for d, w in zip(ds, [1.0, 2.0]):
+            mean.add(d, w)
+        old = b.params[0].clone()
+        _, update = b.step_ordered(0, mean, keep_update=True)
+        msg_b, norm = db.encode_update(b, 0, update)
+        assert msg_a == msg_b and torch.equal(a.params[0], b.params[0])
+        assert torch.equal(da.residuals[0], db.residuals[0])
+        assert norm == pytest.approx(float((b.params[0] - old).norm()), rel=1e-4)
+    assert a.state_hash() == b.state_hash()
+    with pytest.raises(ValueError, match="'none'"):
+        Downlink("none", False, 1).encode_update(b, 0, torch.zeros(n))
+
+
+def test_finite_norm_one_pass_and_its_overflow_rule():
+    """Huge finite values (squares beyond fp32) give a finite norm, any NaN or infinity gives
+    None; the norm agrees with numpy's in fp64."""
+    from ray_diloco.core.outer import CHUNK, finite_norm
+
+    x = np.random.default_rng(4).standard_normal(CHUNK + 17).astype(np.float32)
+    assert finite_norm(x) == pytest.approx(float(np.linalg.norm(x.astype(np.float64))), rel=1e-6)
+    big = np.full(1000, 3e38, np.float32)
+    assert finite_norm(big) == pytest.approx(3e38 * np.sqrt(1000), rel=1e-6)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[CHUNK + 3] = bad
+        assert finite_norm(y) is None

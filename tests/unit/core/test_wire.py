@@ -48,3 +48,17 @@ def test_byte_accounting():
     assert (s["bytes_up_per_replica"], s["bytes_down_per_replica"]) == (400, 200)
     assert s["dp_fp32_bytes_per_replica"] == 2 * dp_equivalent_bytes(1000, 10, 2, 4)
     assert s["fewer_bytes_than_dp_fp32"] == pytest.approx(s["dp_fp32_bytes_per_replica"] / 600)
+
+
+def test_all_finite_in_one_pass_and_on_an_overflowing_sum():
+    """A finite sum proves finiteness; an overflowing sum of finite values is still finite; any
+    NaN or infinity is found."""
+    from ray_diloco.core.wire import all_finite
+
+    x = torch.randn(10_000)
+    assert all_finite(x)
+    assert all_finite(torch.full((100,), 3e38))  # the sum overflows, the values are finite
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[1234] = bad
+        assert not all_finite(y)
