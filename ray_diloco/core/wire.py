@@ -82,9 +82,12 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
     return packed.format, decode(packed)
 
 
-def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None,
+                   values: torch.Tensor | None = None) -> torch.Tensor:
     """The new global fragment (fp32 ``[numel_p]``, a new tensor, or ``out``: the driver writes
-    into its own global fragment) from the driver's reply.
+    into its own global fragment) from the driver's reply. ``values``: the message's decoded
+    values when the caller already has them (the encoder does: ``quantize_message``'s
+    dequantised output is ``decode`` of the same packing), so they are not decoded twice.
 
     A ``none`` message carries the new global values themselves; any other format carries the
     quantised outer update, and the result is ``old_global + dequantised update`` computed in
@@ -93,6 +96,10 @@ def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor |
     Raises:
         ValueError: malformed message or wrong number of values.
     """
+    if values is not None:
+        if values.numel() != old_global.numel():
+            raise ValueError(f"downlink has {values.numel()} values, the fragment has {old_global.numel()}")
+        return torch.add(old_global, values, out=out)
     fmt, values = message_values(message)
     if values.size != old_global.numel():
         raise ValueError(f"downlink has {values.size} values, the fragment has {old_global.numel()}")
@@ -171,7 +178,7 @@ class Downlink:
         del value
         p = opt.params[fragment].detach()
         with torch.no_grad():
-            apply_downlink(p, message, out=p)
+            apply_downlink(p, message, out=p, values=sent)
         return message, float(sent.norm())
 
     def state_dict(self) -> list[Any]:
