@@ -128,14 +128,14 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
 
 
 def test_the_driver_answers_pings_and_joins_while_it_steps_a_large_fragment(ray_session):
-    """Two fp4 pseudo-gradients of a 4M-value fragment (decode, mean, outer step, encode: seconds
+    """Two fp4 pseudo-gradients of a 32M-value fragment (decode, mean, outer step, encode: seconds
     of maths here) sent by reference: pings and a membership call made meanwhile are answered
     in a small part of the round's time (the maths runs on its own thread, not on the actor's
     event loop), and both replicas get one shared reply object."""
     from ray_diloco.runtime.driver import OuterDriverActor
 
     ray = ray_session
-    n = 4_000_000
+    n = 32_000_000
     cfg = load_config({"diloco": {"replicas": 2, "sync_timeout_s": 600.0}, "inner": {"global_batch": 4},
                        "streaming": {"quantization": "fp4_e3m0"}})
     driver = OuterDriverActor.remote([np.zeros(n, np.float32)], cfg.to_dict())
