@@ -17,13 +17,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from ray_diloco.config import OuterConfig
+from ray_diloco.core.wire import as_tensor
 
 
 def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
@@ -48,13 +48,6 @@ def _chunks(n: int):
         yield slice(s, min(n, s + CHUNK))
 
 
-def _view(values: np.ndarray) -> torch.Tensor:
-    """A torch view of fp32 ``values`` (also of a read-only object-store array: never written)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns about non-writable arrays
-        return torch.from_numpy(values)
-
-
 def finite_norm(values: np.ndarray) -> float | None:
     """The L2 norm of fp32 ``values`` ``[n]``, or None if any value is not finite; one read pass
     in chunks. Each chunk's sum of squares is an fp32 dot product (chunk sums added in fp64);
@@ -63,7 +56,7 @@ def finite_norm(values: np.ndarray) -> float | None:
     values = np.asarray(values, dtype=np.float32).reshape(-1)
     sq = 0.0
     for sl in _chunks(values.size):
-        c = _view(values[sl])
+        c = as_tensor(values[sl])
         part = float(torch.dot(c, c))
         if not math.isfinite(part):
             if not bool(torch.isfinite(c).all()):
@@ -90,11 +83,6 @@ class OrderedMean:
         self.total = 0.0
 
     @property
-    def count(self) -> int:
-        """Terms added."""
-        return len(self.terms)
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the terms held."""
         return sum(d.nbytes for d, _ in self.terms)
@@ -118,7 +106,7 @@ class OrderedMean:
         values) and returned: ``0 + sum_i d_i[sl] * (w_i / W)`` in the order added."""
         a = out[: sl.stop - sl.start].zero_()
         for d, w in self.terms:
-            a.add_(_view(d[sl]), alpha=w / self.total)
+            a.add_(as_tensor(d[sl]), alpha=w / self.total)
         return a
 
     def take(self) -> torch.Tensor:
@@ -139,10 +127,9 @@ class OrderedMean:
         self.terms = []
 
 
-def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
-    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained), as the
-    driver computes it (:class:`OrderedMean`, terms in the order given): reproducible bit for
-    bit, exactly the term for one replica.
+def ordered_mean(deltas: list[np.ndarray], weights: list[float]) -> OrderedMean:
+    """The :class:`OrderedMean` of pseudo-gradients ``[numel]`` (weights: tokens trained) in the
+    order given; a zero-weight term is checked for size and left out.
 
     Raises:
         ValueError: on empty input, mismatched shapes or non-positive total weight.
@@ -158,7 +145,18 @@ def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> 
             mean.add(d, w)
         elif np.asarray(d).size != mean.numel:
             raise ValueError(f"pseudo-gradient has {np.asarray(d).size} values, expected {mean.numel}")
-    return mean.take()
+    return mean
+
+
+def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
+    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained), as the
+    driver computes it (:class:`OrderedMean`, terms in the order given): reproducible bit for
+    bit, exactly the term for one replica.
+
+    Raises:
+        ValueError: on empty input, mismatched shapes or non-positive total weight.
+    """
+    return ordered_mean(deltas, weights).take()
 
 
 class OuterOptimizer:
@@ -198,15 +196,10 @@ class OuterOptimizer:
         Raises:
             ValueError: empty input, mismatched shapes or non-positive total weight.
         """
-        if not deltas or len(deltas) != len(weights):
-            raise ValueError(f"got {len(deltas)} pseudo-gradients and {len(weights)} weights")
         p = self.params[fragment]
-        mean = OrderedMean(p.numel())
-        for d, w in zip(deltas, weights):
-            if w > 0:
-                mean.add(d, w)
-        if mean.total <= 0:
-            raise ValueError(f"total weight {mean.total} must be > 0")
+        mean = ordered_mean(list(deltas), list(weights))
+        if mean.numel != p.numel():
+            raise ValueError(f"pseudo-gradient has {mean.numel} values, expected {p.numel()}")
         before = p.clone()
         self.step_ordered(fragment, mean, average_only)
         return {"before": before, "update_norm": float((p - before).norm()), "step": self.steps[fragment],
