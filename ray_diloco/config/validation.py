@@ -78,6 +78,8 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
           f"must be >= diloco.replicas = {d.replicas} (or none: no scale-up)")
     _need(e, d.sync_timeout_s > 0 and math.isfinite(d.sync_timeout_s), "diloco.sync_timeout_s", d.sync_timeout_s,
           "must be a finite number of seconds > 0")
+    _need(e, 1 <= d.outer_shards <= 64, "diloco.outer_shards", d.outer_shards,
+          "must be an integer in [1, 64] (outer-optimiser shard actors)")
     _need(e, d.max_failures >= 0, "diloco.max_failures", d.max_failures, "must be an integer >= 0")
     _need(e, 0 <= d.spare_replicas <= cfg.num_slots, "diloco.spare_replicas", d.spare_replicas,
           f"must be an integer in [0, max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]")

@@ -204,7 +204,8 @@ class Reply:
         version: the fragment's global version the receiver holds after applying ``message``.
         message: the downlink (a :data:`Message`): the quantised outer update (``resync``
             False), the fp32 global fragment (format ``none``, or ``resync`` True), or None
-            (nothing to apply). The runtime sends it as one shared object-store reference
+            (nothing to apply); with K outer-optimiser shards a list of K messages, one per
+            slice (``core.shards.shard_bounds``). The runtime sends it as one shared object-store reference
             (resolve it with ``runtime.link.resolve_reply`` before decoding).
         resync: ``message`` is a full-precision copy of the global fragment.
         size: bytes the message counts for (-1: :func:`message_size` of ``message``).
@@ -222,15 +223,35 @@ class Reply:
         return self.size if self.size >= 0 else message_size(self.message)
 
 
+def _message_numel(message: Message) -> int:
+    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+        return message.size
+    return from_message(message).numel
+
+
 def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
     """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
-    without a message, the resync values, or :func:`apply_downlink` ``(old, message)``.
+    without a message, the resync values, or :func:`apply_downlink` ``(old, message)``; a list
+    of messages (``diloco.outer_shards`` K > 1) is one per shard's slice, in order, each
+    decoded the same way into its slice of a new tensor (element-wise: the same bits as K = 1).
 
     Raises:
         ValueError: malformed message or wrong number of values.
     """
     if reply.message is None:
         return old_global
+    if isinstance(reply.message, list):  # K outer-optimiser shards: one message per slice, in order
+        out, start = torch.empty_like(old_global), 0
+        for part in reply.message:
+            n = _message_numel(part)
+            if start + n > old_global.numel():
+                raise ValueError(f"shard replies have more values than the fragment's {old_global.numel()}")
+            piece = decode_reply(old_global[start:start + n], Reply(reply.status, reply.version, part, reply.resync))
+            out[start:start + n] = piece
+            start += n
+        if start != old_global.numel():
+            raise ValueError(f"shard replies have {start} values, the fragment has {old_global.numel()}")
+        return out
     if reply.resync:
         fmt, values = message_values(reply.message)
         if fmt != "none" or values.size != old_global.numel():

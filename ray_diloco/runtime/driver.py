@@ -23,20 +23,32 @@ Elasticity (DiLoCo, arXiv 2311.08105, section 3 "dropping outer gradients"):
 
 Transport and memory (issue 14): pseudo-gradients arrive as object-store references (numpy
 buffers, pickle-5 out of band: a ``none`` one is the fp32 array itself, read without a copy) and
-are checked (finite, norm) as they arrive and summed into the token-weighted mean
-(``core.outer.OrderedMean``) in replica-id order, by reference, in one chunked pass when the
-round closes (bitwise the plain fp32 DiLoCo mean); the reply of a round is one object put once
-and shared by every receiver. Decoding, the mean,
-the outer step and the encoding run on one maths thread (FIFO: the order of the sums is fixed),
-never on the event loop, so pings and membership calls are answered during an outer step. Open
-rounds close within the timeout (plus ``core.wire.transfer_allowance_s`` of the fragment's
-bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
+are checked (finite, norm) as they arrive; when the round closes they are summed into the
+token-weighted mean (``core.outer.OrderedMean``) in replica-id order, by reference, in one chunked
+pass with the outer step (bitwise the plain fp32 DiLoCo mean); the reply of a round is one object
+put once and shared by every receiver. Decoding, the mean, the outer step and the encoding run on
+threads, never on the event loop, so pings and membership calls are answered during an outer
+step. Open rounds close within the timeout (plus ``core.wire.transfer_allowance_s`` of the
+fragment's bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
+
+Sharding (``diloco.outer_shards`` K): the maths and the state of the global parameters live in
+:class:`OuterShard` objects, each owning one contiguous slice of every fragment
+(``core.shards.shard_bounds``). With K = 1 the driver holds the one shard in its own process;
+with K > 1 the shards are Ray actors (:data:`OuterShardActor`, SPREAD over the nodes): a replica
+sends K object references, the driver hands each to its shard unresolved (the bytes go from the
+replica's node to the shard's node, never through the driver), the driver alone decides the
+round (members, quorum, timeouts, who is included, in which order), every shard steps its slice
+with the same ordered terms, and the reply is the K shards' slices. Every operation is
+element-wise over aligned slices, so globals are bitwise the same for every K.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import inspect
+import math
 import os
 import time
 from collections import deque
@@ -50,6 +62,7 @@ import torch
 
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
 from ray_diloco.core.quantize import from_message, message_nbytes
+from ray_diloco.core.shards import join_optimizer_states, shard_bounds, slice_optimizer_state
 from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_size, message_values,
                                   transfer_allowance_s)
 
@@ -57,36 +70,6 @@ from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply
 KEEP_FINISHED = 1
 #: Membership events kept until the trainer collects them.
 MAX_EVENTS = 1000
-
-
-@dataclass
-class _Round:
-    """One open fragment sync on the driver: pseudo-gradients in (summed in replica order), then
-    one outcome."""
-
-    opened: float
-    mean: OrderedMean
-    arrived: set[int] = field(default_factory=set)  # submitted, valid or not
-    held: dict[int, tuple[float, Any, int]] = field(default_factory=dict)  # weight, check, bytes: not yet added
-    included: list[int] = field(default_factory=list)  # in the mean, in order
-    norms: dict[int, float] = field(default_factory=dict)
-    rejected: set[int] = field(default_factory=set)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    bytes_up: int = 0
-    average_only: bool = False  # a closing round (schedule.averages): the mean, no outer step
-    closing: bool = False
-
-
-@dataclass
-class _Finished:
-    """The outcome of a closed round, kept for receivers that ask for it."""
-
-    failed: bool
-    base_version: int
-    message: Any  # ObjectRef of the downlink message (one object for every receiver), or None
-    size: int
-    included: frozenset[int]
-    rejected: frozenset[int]
 
 
 def _maths_threads() -> int:
@@ -108,93 +91,248 @@ def _decode_and_check(message: Any) -> tuple[np.ndarray | None, float | None]:
     return (values, norm) if norm is not None else (None, None)
 
 
-class _DriverState:
-    """The driver's read and checkpoint calls (a part of :class:`OuterDriver`): every access to the
-    global parameters, versions, residuals and stats goes through the maths thread, after the
-    outer steps submitted before it."""
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
-    opt: OuterOptimizer
-    stats: list[dict[str, Any]]
-    _pool: ThreadPoolExecutor
+
+def _combine_norms(norms: list[float]) -> float:
+    """The L2 norm of a vector from its K slices' norms (the norm itself for K = 1)."""
+    return norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
+
+
+class OuterShard:
+    """Slice ``shard`` of K of every fragment's global parameters (``core.shards.shard_bounds``):
+    the fp32 values, their outer-optimiser state and downlink residuals; it checks the replicas'
+    pseudo-gradient slices as they arrive and steps its slice when the driver closes a round.
+    The driver holds it in process (K = 1) or as an :data:`OuterShardActor` (K > 1).
+
+    The maths (the mean, the step, the encoding, every read of the state) runs on one FIFO thread,
+    so reads see every step submitted before them; checks run on their own threads.
+
+    Args:
+        cfg: the run config (dict). shard, shards: which slice of how many.
+    """
+
+    def __init__(self, cfg: dict[str, Any], shard: int = 0, shards: int = 1):
+        from ray_diloco.config import load_config
+
+        self.cfg = load_config(cfg, validate=False)
+        self.shard, self.shards = int(shard), int(shards)
+        self.opt: OuterOptimizer | None = None
+        self.bounds: list[slice] = []
+        self.pending: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # checked, not yet summed
+        torch.set_num_threads(_maths_threads())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
+        # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
+        self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
 
     async def _maths(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` on the maths thread (after every job submitted before it)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
-        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
-        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
-        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
-        def take() -> list[dict[str, Any]]:
-            due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
-            self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
-            return due
-
-        return await self._maths(take)
-
-    # -- global parameters and state (read and written on the maths thread) ------------------
     def ping(self) -> int:
-        """The driver's process id (the trainer's liveness check; answered during an outer step)."""
+        """This process's id (answered during an outer step)."""
         return os.getpid()
 
+    async def init_global(self, initial: list[Any]) -> list[int]:
+        """Take this shard's slice of every fragment (fp32 ``[numel_p]``, or an ObjectRef of one)
+        and a zero outer-optimiser state; returns the fragments' sizes ``numel_p``.
+
+        Raises:
+            RuntimeError: already set."""
+        if self.opt is not None:
+            raise RuntimeError("the outer driver's global parameters are already set")
+        return self.set_global([await g if isinstance(g, ray.ObjectRef) else g for g in initial])
+
+    def set_global(self, initial: list[np.ndarray]) -> list[int]:
+        """:meth:`init_global` with the values themselves."""
+        if self.opt is not None:
+            raise RuntimeError("the outer driver's global parameters are already set")
+        values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
+        self.bounds = [shard_bounds(v.size, self.shards)[self.shard] for v in values]
+        self.opt = OuterOptimizer([v[sl] for v, sl in zip(values, self.bounds)], self.cfg.outer)
+        s = self.cfg.streaming
+        self.downlink = Downlink(s.quantization, s.error_feedback, len(values))
+        self.versions = [0] * len(values)
+        return [v.size for v in values]
+
+    # -- a round ------------------------------------------------------------------------------
+    async def check(self, fragment: int, step: int, replica: int, message: Any) -> tuple[float | None, int]:
+        """Fetch (``[ObjectRef]``, zero-copy) and check replica ``replica``'s pseudo-gradient slice
+        of ``fragment`` for round ``step``; keep its values for :meth:`step`. Returns its norm
+        (None: not finite, not kept) and its bytes.
+
+        Raises:
+            ValueError: the message does not hold this slice's number of values, or is malformed."""
+        if isinstance(message, list):
+            (message,) = message
+        if isinstance(message, ray.ObjectRef):
+            message = await message
+        n = self.bounds[fragment].stop - self.bounds[fragment].start
+        got = message.size if isinstance(message, np.ndarray) and message.dtype == np.float32 else \
+            from_message(message).numel  # malformed input is refused here
+        if got != n:
+            what = "fragment" if self.shards == 1 else f"shard {self.shard} of fragment"
+            raise ValueError(f"replica {replica}: {what} {fragment} has {n} values, got {got}")
+        size = message_size(message)
+        values, norm = await asyncio.get_running_loop().run_in_executor(self._checks, _decode_and_check, message)
+        del message
+        if norm is not None:
+            self.pending.setdefault((fragment, step), {})[replica] = values
+        return norm, size
+
+    def discard(self, fragment: int, step: int, replica: int | None = None) -> None:
+        """Drop the kept pseudo-gradients of a round (``replica``: only that one's)."""
+        if replica is None:
+            self.pending.pop((fragment, step), None)
+        else:
+            held = self.pending.get((fragment, step), {})
+            held.pop(replica, None)
+            if not held:
+                self.pending.pop((fragment, step), None)
+
+    async def step(self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool
+                   ) -> tuple[Any, int, float, int]:
+        """The outer step of this slice on the token-weighted mean of ``terms`` (``(replica,
+        weight)`` in the driver's order; weight 0: in the round, not in the sum), and its reply
+        put once into the object store. Returns ``(reference, bytes, update norm, version)``."""
+        held = self.pending.pop((fragment, step), {})
+        mean = OrderedMean(self.bounds[fragment].stop - self.bounds[fragment].start)
+        for m, w in terms:
+            if w > 0:
+                mean.add(held[m], w)
+        del held
+        return await self._maths(self._step, fragment, mean, average_only)
+
+    def _step(self, fragment: int, mean: OrderedMean, average_only: bool) -> tuple[Any, int, float, int]:
+        """(maths thread) ``OuterOptimizer.step_ordered`` (mean and step in one chunked pass) and
+        the reply: with ``none`` the new global slice itself; otherwise the quantised update,
+        which this shard applies to its own copy exactly as every receiver does
+        (``core.wire.Downlink.encode_update``)."""
+        s, p = self.cfg.streaming, self.opt.params[fragment]
+        if s.quantization == "none":
+            norm, _ = self.opt.step_ordered(fragment, mean, average_only)
+            ref, size = ray.put(p.numpy()), message_nbytes(p.numel(), "none")
+        else:
+            _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
+            message, norm = self.downlink.encode_update(self.opt, fragment, update)
+            del update
+            ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
+        self.versions[fragment] += 1
+        return ref, size, norm, self.versions[fragment]
+
+    async def current(self, fragment: int) -> tuple[int, Any, int]:
+        """``(version, reference, bytes)`` of this slice's current global values (a resync)."""
+        def put() -> tuple[int, Any, int]:
+            p = self.opt.params[fragment]
+            return self.versions[fragment], ray.put(p.numpy()), message_nbytes(p.numel(), "none")
+        return await self._maths(put)
+
+    # -- state ---------------------------------------------------------------------------------
     async def global_refs(self) -> list[Any]:
-        """Every global fragment (fp32 ``[numel_p]``) put once into the object store."""
+        """This shard's slice of every fragment (fp32) put once into the object store."""
         return await self._maths(lambda: [ray.put(p.numpy()) for p in self.opt.params])
 
     async def global_params(self) -> list[np.ndarray]:
-        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        """Copies of this shard's slice of every fragment, fp32."""
         return await self._maths(self.opt.global_params)
 
-    async def global_versions(self) -> list[int]:
-        """Outer steps applied to each fragment (what a joiner's versions start from)."""
-        return await self._maths(lambda: list(self.versions))
-
     async def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state, the downlink residuals, fragment versions, the newest
-        finished round per fragment and the figures of completed rounds not yet reported."""
-        return await self._maths(lambda: {
-            **self.opt.state_dict(), "residuals": self.downlink.state_dict(),
-            "versions": list(self.versions), "completed": list(self.last_finished),
-            "stats": copy.deepcopy(self.stats)})
+        """This slice's global values, optimiser state, step counts, residuals and versions."""
+        return await self._maths(lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(),
+                                          "versions": list(self.versions)})
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Take this shard's slice of a whole (K = 1 layout) outer state: the layout of a
+        checkpoint does not depend on K, so a run resumes with any ``diloco.outer_shards``."""
         await self._maths(self._load_state_dict, state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.load_state_dict(state)
         n = len(self.opt.params)
-        self.downlink.load_state_dict(state.get("residuals"))
+        if len(state["global"]) != n:
+            raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
+        numels = [np.asarray(g).size for g in state["global"]]
+        self.opt.load_state_dict({
+            "global": [np.asarray(g, dtype=np.float32).reshape(-1)[sl] for g, sl in zip(state["global"], self.bounds)],
+            "optimizers": [slice_optimizer_state(o, sl, k) for o, sl, k in zip(state["optimizers"], self.bounds, numels)],
+            "steps": state["steps"]})
+        residuals = state.get("residuals") or [None] * n
+        self.downlink.load_state_dict([None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
+                                       for r, sl in zip(residuals, self.bounds)])
         self.versions = list(state.get("versions", [0] * n))
-        self.last_finished = list(state.get("completed", [0] * n))
-        self.stats = copy.deepcopy(list(state.get("stats", [])))
 
     async def state_hash(self) -> dict[str, str]:
-        """sha256 of the global parameters and of the outer optimiser buffers."""
+        """sha256 of the global parameters and outer buffers (K = 1: the whole state's)."""
         return await self._maths(self.opt.state_hash)
 
-    def pending_rounds(self) -> int:
-        """Open rounds (waiting for pseudo-gradients or closing)."""
-        return len(self.rounds)
-
     def memory(self) -> dict[str, int]:
-        """What the driver holds: open and finished rounds, their bytes (held pseudo-gradients,
-        running means, kept replies), queued events and stats, and the process's resident
-        memory (bytes, from /proc; 0 where unavailable)."""
-        held = sum(size for r in self.rounds.values() for _, _, size in r.held.values())
-        held += sum(r.mean.nbytes for r in self.rounds.values())
-        held += sum(f.size for f in self.finished.values())
-        try:
-            with open("/proc/self/statm") as fh:
-                rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            rss = 0
-        return {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
-                "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
-                "rss_bytes": rss}
+        """Bytes of the checked pseudo-gradients kept for open rounds, and this process's RSS."""
+        return {"held_bytes": sum(v.nbytes for held in self.pending.values() for v in held.values()),
+                "rss_bytes": _rss_bytes()}
 
 
-class OuterDriver(_DriverState):
+#: A shard as a Ray actor (K > 1). No CPU reserved (like the driver): its maths sets its own threads.
+OuterShardActor = ray.remote(num_cpus=0)(OuterShard)
+
+
+class _Shards:
+    """The driver's K shards: calls run on all of them and are gathered in shard order; K = 1 is
+    the in-process :class:`OuterShard`, K > 1 are actors."""
+
+    def __init__(self, cfg: dict[str, Any], k: int):
+        self.k = k
+        if k == 1:
+            self.local: OuterShard | None = OuterShard(cfg)
+            self.actors: list[Any] = []
+        else:
+            self.local = None
+            self.actors = [OuterShardActor.options(scheduling_strategy="SPREAD").remote(cfg, i, k) for i in range(k)]
+
+    async def one(self, i: int, name: str, *args: Any) -> Any:
+        if self.local is not None:
+            out = getattr(self.local, name)(*args)
+            return await out if inspect.isawaitable(out) else out
+        return await getattr(self.actors[i], name).remote(*args)
+
+    async def all(self, name: str, *args: Any) -> list[Any]:
+        return list(await asyncio.gather(*(self.one(i, name, *args) for i in range(self.k))))
+
+    async def each(self, name: str, per_shard: list[tuple]) -> list[Any]:
+        return list(await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard))))
+
+
+@dataclass
+class _Round:
+    """One open fragment sync on the driver: checked pseudo-gradients in, then one outcome."""
+
+    opened: float
+    arrived: set[int] = field(default_factory=set)  # submitted and checked, valid or not
+    checking: set[int] = field(default_factory=set)  # submitted, being checked by the shards
+    weights: dict[int, float] = field(default_factory=dict)  # valid ones: tokens trained
+    norms: dict[int, float] = field(default_factory=dict)
+    rejected: set[int] = field(default_factory=set)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    bytes_up: int = 0
+    average_only: bool = False  # a closing round (schedule.averages): the mean, no outer step
+    closing: bool = False
+
+
+@dataclass
+class _Finished:
+    """The outcome of a closed round, kept for receivers that ask for it."""
+
+    failed: bool
+    base_version: int
+    message: Any  # ObjectRef of the downlink message (K > 1: a list, one per shard), or None
+    size: int
+    included: frozenset[int]
+    rejected: frozenset[int]
+
+
+class OuterDriver:
     """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor).
 
     Args:
@@ -210,7 +348,7 @@ class OuterDriver(_DriverState):
 
         self.cfg = load_config(cfg, validate=False)
         c = self.cfg
-        self.opt: OuterOptimizer | None = None
+        self.numels: list[int] | None = None
         self.quorum = c.diloco.min_replicas
         self.timeout_s = c.diloco.sync_timeout_s
         self.members: dict[int, int] = dict(members) if members is not None else \
@@ -221,33 +359,41 @@ class OuterDriver(_DriverState):
         self.stats: list[dict[str, Any]] = []
         self.events: deque = deque(maxlen=MAX_EVENTS)
         self.failed_rounds = 0
-        torch.set_num_threads(_maths_threads())
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
-        # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
-        self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
+        self.shards = _Shards(self.cfg.to_dict(), c.diloco.outer_shards)
+        self._pending_init: Any = None
         if initial is not None:
-            self._set_global(initial)
+            values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
+            if self.shards.local is not None:  # in process: at once
+                self._set_numels(self.shards.local.set_global(values))
+            else:  # actors: they take their slices while the driver starts serving
+                self._pending_init = [a.init_global.remote(values) for a in self.shards.actors]
+                self._set_numels([v.size for v in values])
 
     async def init_global(self, initial: list[Any]) -> None:
         """Set the global parameters (fp32 ``[numel_p]`` per fragment, or an ObjectRef of one: the
         trainer passes rank 0's fragments by reference, so they never pass through the job's
-        process) and a zero outer-optimiser state, once, before any round.
+        process) and a zero outer-optimiser state, once, before any round. Each shard fetches
+        the fragments and keeps its slice.
 
         Raises:
             RuntimeError: the global parameters were already set.
         """
-        values = [await g if isinstance(g, ray.ObjectRef) else g for g in initial]
-        self._set_global(values)
-
-    def _set_global(self, initial: list[np.ndarray]) -> None:
-        if self.opt is not None:
+        if self.numels is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
-        self.opt = OuterOptimizer(initial, self.cfg.outer)
-        self.versions = [0] * len(self.opt.params)
-        s = self.cfg.streaming
-        self.downlink = Downlink(s.quantization, s.error_feedback, len(self.opt.params))
-        self.finished_order: list[deque] = [deque() for _ in self.opt.params]
-        self.last_finished = [0] * len(self.opt.params)  # send step of the newest finished round
+        numels = await self.shards.all("init_global", list(initial))
+        self._set_numels(numels[0])
+
+    def _set_numels(self, numels: list[int]) -> None:
+        self.numels = list(numels)
+        self.versions = [0] * len(numels)
+        self.finished_order: list[deque] = [deque() for _ in numels]
+        self.last_finished = [0] * len(numels)  # send step of the newest finished round
+        self._locks = [asyncio.Lock() for _ in numels]  # outer steps of a fragment, one at a time, in order
+
+    async def _ready(self) -> None:
+        if self._pending_init is not None:
+            pending, self._pending_init = self._pending_init, None
+            await asyncio.gather(*pending)
 
     # -- membership --------------------------------------------------------------------------
     def add_member(self, replica: int, join_step: int, **info: Any) -> None:
@@ -283,8 +429,8 @@ class OuterDriver(_DriverState):
 
     # -- rounds ------------------------------------------------------------------------------
     def _check(self, fragment: int, replica: int) -> None:
-        if not 0 <= fragment < len(self.opt.params):
-            raise ValueError(f"fragment {fragment}: not in [0, {len(self.opt.params)})")
+        if not 0 <= fragment < len(self.numels):
+            raise ValueError(f"fragment {fragment}: not in [0, {len(self.numels)})")
         if replica not in self.members and replica not in self.removed:
             raise ValueError(f"replica {replica}: not a member of this run (members: {sorted(self.members)})")
 
@@ -297,45 +443,16 @@ class OuterDriver(_DriverState):
     def _open(self, fragment: int, step: int) -> _Round:
         r = self.rounds.get((fragment, step))
         if r is None:
-            r = self.rounds[(fragment, step)] = _Round(time.monotonic(), OrderedMean(self.opt.params[fragment].numel()))
+            r = self.rounds[(fragment, step)] = _Round(time.monotonic())
         return r
 
     def _expected(self, step: int) -> set[int]:
         return {m for m, joined in self.members.items() if joined < step}
 
-    def _drain(self, fragment: int, step: int, r: _Round, final: bool = False) -> None:
-        """Hand the held pseudo-gradients whose turn has come (no smaller expected replica still
-        missing; all of them when ``final``) to the maths thread, in replica order."""
-        waiting = self._expected(step) - r.arrived
-        ready = []
-        for m in sorted(r.held):
-            if not final and any(w < m for w in waiting):
-                break
-            weight, check, _ = r.held.pop(m)
-            ready.append((m, weight, check))
-        if ready:
-            asyncio.get_running_loop().run_in_executor(self._pool, self._add, fragment, step, r, ready)
-
-    def _add(self, fragment: int, step: int, r: _Round, items: list[tuple[int, float, Any]]) -> None:
-        """(maths thread) Add the checked pseudo-gradients to the round's mean, in order (waiting
-        for their checks, :func:`_decode_and_check`); a non-finite one is rejected."""
-        for m, weight, check in items:
-            values, norm = check.result()
-            del check
-            if norm is None:
-                r.rejected.add(m)
-                self._event("rejected", m, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
-                continue
-            if weight > 0:
-                r.mean.add(values, weight)
-            r.included.append(m)
-            r.norms[m] = norm
-
     def _maybe_finish(self, fragment: int, step: int) -> None:
         r = self.rounds.get((fragment, step))
         if r is None or r.closing:
             return
-        self._drain(fragment, step, r)
         if r.arrived and self._expected(step) <= r.arrived:
             self._close(fragment, step, "complete")
 
@@ -345,16 +462,20 @@ class OuterDriver(_DriverState):
         if cause == "timeout":
             for m in sorted(self._expected(step) - r.arrived):
                 self._event("timeout", m, fragment=fragment, step=step, timeout_s=self.timeout_s)
-        self._drain(fragment, step, r, final=True)
         asyncio.ensure_future(self._finish(fragment, step, r))
 
     async def _finish(self, fragment: int, step: int, r: _Round) -> None:
-        base = self.versions[fragment]
-        try:
-            rec = await self._maths(self._step_round, fragment, step, r)
-        except Exception as e:  # a bug, not a replica's fault: fail the round loudly, keep serving
-            self._event("round_failed", None, fragment=fragment, step=step, error=repr(e))
-            rec = _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
+        async with self._locks[fragment]:  # rounds of a fragment step in the order they closed
+            base = self.versions[fragment]
+            try:
+                rec = await self._step_round(fragment, step, r)
+            except Exception as e:  # a bug, not a replica's fault: fail the round loudly, keep serving
+                self._event("round_failed", None, fragment=fragment, step=step, error=repr(e))
+                rec = _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
+                try:
+                    await self.shards.all("discard", fragment, step)
+                except Exception:  # a shard is gone: the next ping says so
+                    pass
         if rec.failed:
             self.failed_rounds += 1
         self.finished[(fragment, step)] = rec
@@ -366,41 +487,29 @@ class OuterDriver(_DriverState):
         self.rounds.pop((fragment, step), None)
         r.done.set()
 
-    def _step_round(self, fragment: int, step: int, r: _Round) -> _Finished:
-        """(maths thread, after every ``_add`` of the round) The outer step on the mean, or a
+    async def _step_round(self, fragment: int, step: int, r: _Round) -> _Finished:
+        """The outer step on every shard with the same ordered terms (replica-id order), or a
         failed round without quorum."""
         base = self.versions[fragment]
-        order = list(r.included)
-        if len(order) >= self.quorum and r.mean.total > 0:
-            ref, size, update_norm = self._downlink(fragment, r.mean, r.average_only)
-            self.versions[fragment] += 1
+        order = sorted(r.weights)
+        if len(order) >= self.quorum and sum(r.weights.values()) > 0:
+            terms = [(m, r.weights[m]) for m in order]
+            outs = await self.shards.all("step", fragment, step, terms, r.average_only)
+            refs = [o[0] for o in outs]
+            size, update_norm = sum(o[1] for o in outs), _combine_norms([o[2] for o in outs])
+            self.versions[fragment] = outs[0][3]
             self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
                                "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})
-            return _Finished(False, base, ref, size, frozenset(order), frozenset(r.rejected))
-        r.mean.clear()
+            message = refs[0] if len(refs) == 1 else refs
+            return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
+        await self.shards.all("discard", fragment, step)
         self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
                     cause="timeout" if self._expected(step) - r.arrived else "complete")
         return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
 
-    def _downlink(self, fragment: int, mean: OrderedMean, average_only: bool) -> tuple[Any, int, float]:
-        """(maths thread) The outer step of ``fragment`` (``OuterOptimizer.step_ordered``: the mean
-        and the step in one chunked pass) and its reply, put once into the object store: with
-        ``none`` the new global fragment itself; otherwise the quantised update, which the
-        driver applies to its own copy exactly as every receiver does
-        (``core.wire.Downlink.encode_update``). Returns the reference, the message's bytes and
-        the norm of the update applied."""
-        s, p = self.cfg.streaming, self.opt.params[fragment]
-        if s.quantization == "none":
-            norm, _ = self.opt.step_ordered(fragment, mean, average_only)
-            return ray.put(p.numpy()), message_nbytes(p.numel(), "none"), norm
-        _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
-        message, norm = self.downlink.encode_update(self.opt, fragment, update)
-        del update
-        return ray.put(np.frombuffer(message, np.uint8)), len(message), norm
-
     def _timeout_of(self, fragment: int) -> float:
-        return self.timeout_s + transfer_allowance_s(message_nbytes(self.opt.params[fragment].numel(), "none"))
+        return self.timeout_s + transfer_allowance_s(message_nbytes(self.numels[fragment], "none"))
 
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
         remaining = r.opened + self._timeout_of(fragment) - time.monotonic()
@@ -425,59 +534,79 @@ class OuterDriver(_DriverState):
             return Reply(status, rec.base_version + 1, rec.message, size=rec.size)
         if version == self.versions[fragment]:
             return Reply(status, self.versions[fragment])
-        current, ref = await self._maths(lambda: (self.versions[fragment], ray.put(self.opt.params[fragment].numpy())))
-        return Reply(status, current, ref, resync=True, size=message_nbytes(self.opt.params[fragment].numel(), "none"))
+        async with self._locks[fragment]:  # not in the middle of a step of this fragment
+            outs = await self.shards.all("current", fragment)
+        refs = [o[1] for o in outs]
+        return Reply(status, outs[0][0], refs[0] if len(refs) == 1 else refs, resync=True,
+                     size=sum(o[2] for o in outs))
 
-    async def _receive(self, fragment: int, replica: int, message: Any) -> Any:
-        """The message itself (``[ref]``: fetched from the object store, zero-copy), its size
-        checked against the fragment before any state changes."""
-        if isinstance(message, list):
-            (ref,) = message
-            message = await ref
+    def _parts(self, message: Any) -> list[Any] | None:
+        """The message's K parts, one per shard (``[ref, ...]`` from a replica's link; a bare
+        message for K = 1)."""
         if message is None:
             return None
-        n = self.opt.params[fragment].numel()
-        if isinstance(message, np.ndarray) and message.dtype == np.float32:
-            got = message.size
-        else:
-            got = from_message(message).numel  # malformed input is refused here
-        if got != n:
-            raise ValueError(f"replica {replica}: fragment {fragment} has {n} values, got {got}")
-        return message
+        parts = message if isinstance(message, list) else [message]
+        if len(parts) != self.shards.k:
+            raise ValueError(f"a pseudo-gradient in {len(parts)} parts, expected diloco.outer_shards = "
+                             f"{self.shards.k}")
+        return parts
 
     async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,
                        version: int = 0, average_only: bool = False) -> Reply:
         """Submit replica ``replica``'s pseudo-gradient of ``fragment`` sent at inner step
-        ``step`` (a ``core.wire`` message, fp32 ``[numel_p]`` once decoded, or ``[ObjectRef]``
-        of one), weighted by ``weight`` (tokens trained since its last sync). ``message`` None:
-        the replica found its pseudo-gradient non-finite and abstains. ``version``: the global
-        version it holds. ``average_only``: a closing round (the weighted mean, no outer step).
+        ``step`` (a ``core.wire`` message, fp32 ``[numel_p]`` once decoded, or a list of K
+        ObjectRefs, one per shard's slice), weighted by ``weight`` (tokens trained since its last
+        sync). ``message`` None: the replica found its pseudo-gradient non-finite and abstains.
+        ``version``: the global version it holds. ``average_only``: a closing round (the
+        weighted mean, no outer step).
 
         Returns the :class:`Reply` once the round is complete, timed out or failed (at most
         the round's timeout after it opened); its message is an ObjectRef shared by every
-        receiver.
+        receiver (K > 1: a list of K).
 
         Raises:
             ValueError: bad fragment or replica, a duplicate submission, a malformed message.
         """
+        await self._ready()
         self._check(fragment, replica)
-        message = await self._receive(fragment, replica, message)
+        parts = self._parts(message)
+        del message
         if replica not in self.members or self.members[replica] >= step or self._is_closed(fragment, step):
             if replica in self.members and self._is_closed(fragment, step):
                 self._event("late", replica, fragment=fragment, step=step)
             return await self._reply(fragment, step, replica, version)
         r = self._open(fragment, step)
         r.average_only = r.average_only or average_only
-        if replica in r.arrived:
+        if replica in r.arrived or replica in r.checking:
             raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
+        valid = parts is not None and bool(np.isfinite(weight)) and weight >= 0
+        norms, size = [None], 0
+        if valid:
+            r.checking.add(replica)
+            try:
+                checks = await self.shards.each("check", [(fragment, step, replica, [p]) for p in parts])
+            except Exception:
+                await self.shards.all("discard", fragment, step, replica)
+                raise
+            finally:
+                r.checking.discard(replica)
+            del parts
+            norms, size = [c[0] for c in checks], sum(c[1] for c in checks)
+            if r.closing or self.rounds.get((fragment, step)) is not r or replica not in self.members:
+                await self.shards.all("discard", fragment, step, replica)  # closed while it was checked
+                if replica in self.members:
+                    self._event("late", replica, fragment=fragment, step=step)
+                return await self._reply(fragment, step, replica, version)
         r.arrived.add(replica)
-        r.bytes_up += message_size(message)
-        if message is None or not np.isfinite(weight) or weight < 0:
+        r.bytes_up += size
+        if not valid or any(n is None for n in norms):
+            if valid:
+                await self.shards.all("discard", fragment, step, replica)
             r.rejected.add(replica)
             self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
         else:
-            r.held[replica] = (float(weight), self._checks.submit(_decode_and_check, message), message_size(message))
-        del message
+            r.weights[replica] = float(weight)
+            r.norms[replica] = _combine_norms(norms)
         self._maybe_finish(fragment, step)
         if not r.done.is_set():
             await self._wait(fragment, step, r)
@@ -487,6 +616,7 @@ class OuterDriver(_DriverState):
                      average_only: bool = False) -> Reply:
         """The reply of a round for a rank > 0 of ``replica`` (waits for the round, at most its
         timeout after it opened)."""
+        await self._ready()
         self._check(fragment, replica)
         if replica in self.members and not self._is_closed(fragment, step):
             r = self._open(fragment, step)
@@ -494,6 +624,105 @@ class OuterDriver(_DriverState):
             if not r.done.is_set():
                 await self._wait(fragment, step, r)
         return await self._reply(fragment, step, replica, version)
+
+    # -- reads and checkpoints (each shard answers after the steps submitted before) ------------
+    async def ping(self) -> int:
+        """The driver's process id (the trainer's liveness check; answered during an outer step).
+        With K > 1 every shard must answer too.
+
+        Raises:
+            ray.exceptions.RayActorError: a shard actor died (the run's global state is lost)."""
+        if self.shards.actors:
+            await asyncio.gather(*(a.ping.remote() for a in self.shards.actors))
+        return os.getpid()
+
+    async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
+        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
+        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
+        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
+        due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
+        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
+        return due
+
+    async def global_refs(self) -> list[Any]:
+        """Every global fragment (fp32 ``[numel_p]``) put once into the object store: one
+        ObjectRef per fragment, or with K > 1 a list of the K slices' ObjectRefs
+        (``runtime.link.fetch_global`` joins them)."""
+        await self._ready()
+        per_shard = await self.shards.all("global_refs")
+        return [refs[0] if len(refs) == 1 else list(refs) for refs in zip(*per_shard)]
+
+    async def global_params(self) -> list[np.ndarray]:
+        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        await self._ready()
+        per_shard = await self.shards.all("global_params")
+        return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*per_shard)]
+
+    async def global_versions(self) -> list[int]:
+        """Outer steps applied to each fragment (what a joiner's versions start from)."""
+        return list(self.versions)
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The outer optimiser's state (global parameters, optimiser buffers, steps), the downlink
+        residuals, fragment versions, the newest finished round per fragment and the figures of
+        completed rounds not yet reported: the K = 1 layout whatever K (shards' slices joined)."""
+        await self._ready()
+        states = await self.shards.all("state_dict")
+        if len(states) == 1:
+            out = states[0]
+        else:
+            bounds = [shard_bounds(n, self.shards.k) for n in self.numels]
+            residuals = [None if all(s["residuals"][f] is None for s in states) else
+                         np.concatenate([np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None
+                                         else s["residuals"][f] for s, b in zip(states, bounds[f])])
+                         for f in range(len(self.numels))]
+            out = {"global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
+                   "optimizers": [join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
+                                  for f in range(len(self.numels))],
+                   "steps": list(states[0]["steps"]), "residuals": residuals}
+        out.update({"versions": list(self.versions), "completed": list(self.last_finished),
+                    "stats": copy.deepcopy(self.stats)})
+        return out
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (each shard takes its slice)."""
+        await self._ready()
+        await self.shards.all("load_state_dict", state)
+        n = len(self.numels)
+        self.versions = list(state.get("versions", [0] * n))
+        self.last_finished = list(state.get("completed", [0] * n))
+        self.stats = copy.deepcopy(list(state.get("stats", [])))
+
+    async def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the outer optimiser buffers (the same for every
+        K: computed over the whole state's bytes in fragment order)."""
+        if self.shards.local is not None:
+            return await self.shards.local.state_hash()
+        state = await self.state_dict()
+        hg, hm = hashlib.sha256(), hashlib.sha256()
+        for g, o in zip(state["global"], state["optimizers"]):
+            hg.update(np.ascontiguousarray(g, dtype=np.float32).tobytes())
+            for v in o["state"].get(0, {}).values():
+                if isinstance(v, torch.Tensor):
+                    hm.update(v.numpy().tobytes())
+        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+
+    def pending_rounds(self) -> int:
+        """Open rounds (waiting for pseudo-gradients or closing)."""
+        return len(self.rounds)
+
+    async def memory(self) -> dict[str, int]:
+        """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients
+        held by the shards, kept replies), queued events and stats, and the resident memory
+        (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
+        shards = await self.shards.all("memory")
+        held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
+        out = {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
+               "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
+               "rss_bytes": _rss_bytes()}
+        if self.shards.actors:
+            out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
+        return out
 
 
 #: The driver as a Ray actor. It reserves no CPU (it must not take a core a replica worker

@@ -24,17 +24,35 @@ import numpy as np
 import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
+from ray_diloco.core.shards import shard_bounds
 from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
 
 
 def resolve_reply(reply: Reply) -> Reply:
-    """The reply with its message fetched from the object store (the round's one shared object;
-    a ``none`` message is a read-only fp32 view of it, not a copy)."""
+    """The reply with its message fetched from the object store (the round's one shared object,
+    or with ``diloco.outer_shards`` K > 1 the K shards' slices, a list; a ``none`` message is a
+    read-only fp32 view of it, not a copy)."""
     import ray
 
     if isinstance(reply.message, ray.ObjectRef):
         return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
+    if isinstance(reply.message, list):
+        return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
     return reply
+
+
+def fetch_global(value: Any) -> np.ndarray:
+    """A global fragment (fp32 ``[numel_p]``) from what the driver's ``global_refs`` gives for it:
+    an array, an ObjectRef of one (fetched: a read-only view), or with K outer shards a list of
+    the K slices' ObjectRefs (fetched and joined: a new array)."""
+    import ray
+
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
+    if isinstance(value, list):
+        parts = [ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in value]
+        return np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in parts])
+    return value
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Link:
             same parameters), every rank receives.
         fmt: ``streaming.quantization``. error_feedback: keep per-fragment residuals (rank 0).
         bandwidth_gbps, latency_ms: WAN emulation, slept on this thread per message.
+        shards: ``diloco.outer_shards`` K: the pseudo-gradient is sent as K slices
+            (``core.shards.shard_bounds``), one object per outer-optimiser shard.
     """
 
     driver: Any
@@ -69,6 +89,7 @@ class Link:
     error_feedback: bool = False
     bandwidth_gbps: float | None = None
     latency_ms: float = 0.0
+    shards: int = 1
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: LinkStats = field(default_factory=LinkStats)
 
@@ -106,15 +127,14 @@ class Link:
         up = 0
         if self.rank == 0:
             before = self.residuals.get(fragment)
-            message = self._encode(fragment, delta, before)
+            parts = self._encode(fragment, delta, before)
             del delta
-            up = message_size(message)
+            up = 0 if parts is None else sum(message_size(m) for m in parts)
             self._sleep(up)
-            ref = None if message is None else ray.put(message)  # once; the driver reads it in place
-            del message
-            call = self.driver.exchange.remote(fragment, step, self.replica, weight,
-                                               None if ref is None else [ref], version, average_only)
-            del ref  # the driver holds it now: the object is freed as soon as the driver has summed it
+            refs = None if parts is None else [ray.put(m) for m in parts]  # once; the owners read them in place
+            del parts
+            call = self.driver.exchange.remote(fragment, step, self.replica, weight, refs, version, average_only)
+            del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
             if reply.status != OK and self.error_feedback:
                 if before is None:
@@ -130,20 +150,31 @@ class Link:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version)
 
-    def _encode(self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None) -> np.ndarray | None:
-        """The uplink message as a numpy buffer (None: non-finite, abstain): with ``none`` the fp32
-        pseudo-gradient itself (no copy, no framing); otherwise the framed quantised bytes, with
-        error feedback."""
+    def _encode(self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None) -> list[np.ndarray] | None:
+        """The uplink messages, one numpy buffer per outer-optimiser shard (None: non-finite,
+        abstain): with ``none`` slices of the fp32 pseudo-gradient itself (no copy, no framing);
+        otherwise the framed quantised bytes of each slice, with error feedback (slices start at
+        multiples of ``quantize.BLOCK``: the same blocks, bits and residual as the whole)."""
         if not all_finite(delta):
             return None
+        bounds = shard_bounds(delta.numel(), self.shards)
         if self.fmt == "none":
             if self.error_feedback:  # fp32 loses nothing: the residual is spent
                 self.residuals.pop(fragment, None)
-            return (delta if before is None else delta + before).numpy()
-        message, residual = quantize_with_feedback(delta, self.fmt, before)
+            values = (delta if before is None else delta + before).numpy()
+            return [values[sl] for sl in bounds]
+        if len(bounds) == 1:
+            message, residual = quantize_with_feedback(delta, self.fmt, before)
+            messages = [message]
+        else:
+            messages, residual = [], torch.empty_like(delta)
+            for sl in bounds:
+                message, res = quantize_with_feedback(delta[sl], self.fmt, None if before is None else before[sl])
+                messages.append(message)
+                residual[sl] = res
         if self.error_feedback:
             self.residuals[fragment] = residual
-        return np.frombuffer(message, np.uint8)
+        return [np.frombuffer(m, np.uint8) for m in messages]
 
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty

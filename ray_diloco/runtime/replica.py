@@ -37,7 +37,7 @@ from ray_diloco.core.schedules import SyncSchedule, inner_lr
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
-from ray_diloco.runtime.link import Link
+from ray_diloco.runtime.link import Link, fetch_global
 
 #: The worker actor's concurrency group for calls that must be answered while ``train`` runs
 #: (they touch no training state); every other call runs one at a time on the default group.
@@ -198,7 +198,7 @@ class ReplicaWorker:
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n = self.cfg.streaming, self.cfg.network
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
-                                        n.bandwidth_gbps, n.latency_ms))
+                                        n.bandwidth_gbps, n.latency_ms, self.cfg.diloco.outer_shards))
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
@@ -224,7 +224,7 @@ class ReplicaWorker:
         one it was started with) at the slot's position (None: the shard's start).
         Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero) and
         where the inner optimiser state came from (``peer`` or ``fresh``)."""
-        self.sync.join(ray.get(list(global_refs)), versions, step)
+        self.sync.join([fetch_global(g) for g in global_refs], versions, step)
         state = None
         if peer_state:
             try:
@@ -253,8 +253,9 @@ class ReplicaWorker:
 
     def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
         """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps): keep a copy,
-        overwrite the local parameters."""
-        self.sync.load_global(fragment, global_p, version)
+        overwrite the local parameters (``global_p``: an array, an ObjectRef, or the K outer shards'
+        slices as a list of ObjectRefs)."""
+        self.sync.load_global(fragment, fetch_global(global_p), version)
 
     # -- inner loop ------------------------------------------------------------------------
     def _autocast(self):
@@ -335,7 +336,7 @@ class ReplicaWorker:
         saved = None
         if global_refs is not None:
             saved = [flatten(self.params, f) for f in self.fragments]
-            self.load_local(ray.get(list(global_refs)))
+            self.load_local([fetch_global(g) for g in global_refs])
         try:
             return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
                                  self.cfg.run.eval_batch, self._autocast)

@@ -481,15 +481,20 @@ def _chaos_kill(t, mode: str, victims: dict[int, int], k: int) -> None:
             pass  # it died on its own meanwhile
 
 
-def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, tmp_path, corpus):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, tmp_path, corpus, shards):
     """Replica 1 dies and is replaced by replica 2 in its data slot (continuing that slot's read
     position). A checkpoint taken then restores the same members (ids, slots, join steps) and the
-    next outer step is bitwise equal to the run that went on without stopping."""
+    next outer step is bitwise equal to the run that went on without stopping. With
+    ``diloco.outer_shards: 2`` (two shard actors) the run through the kill and the join keeps
+    every worker's global parameters bitwise the driver's, and a resume with one shard (K = 1)
+    gives the bits of the K = 2 run's next outer step: K changes nothing."""
     from ray_diloco.components.checkpoint import latest_checkpoint, load_checkpoint
 
     over = dict(run__log_hashes=True, run__deterministic=True, run__eval_every=0, run__checkpoint_every=1,
                 run__steps=40, diloco__H=5, diloco__cpus_per_worker=0.5)
-    t = start_trainer(load_config(tiny_overrides(tmp_path, run__name="a", **over)), corpus, torch_lm)
+    t = start_trainer(load_config(tiny_overrides(tmp_path, run__name="a", diloco__outer_shards=shards, **over)),
+                      corpus, torch_lm)
     try:
         t.outer_step(1)
         _kill(t.replicas[1].rank0)
@@ -501,8 +506,10 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
             time.sleep(0.1)
         row = t.outer_step(3)  # replica 2 joins at step 10 in slot 1
         assert [(r.index, r.slot, r.join_step) for r in t.replicas] == [(0, 0, 0), (2, 1, 10)]
+        assert set(row["worker_global_sha256"]) == {row["global_sha256"]}
         t.checkpoint()
         ahead = t.outer_step(4)
+        assert set(ahead["worker_global_sha256"]) == {ahead["global_sha256"]}
     finally:
         t.shutdown()
     _, path = latest_checkpoint(t.run_dir)
