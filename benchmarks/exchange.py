@@ -4,7 +4,7 @@ A model whose P parameters are exchanged but cost no compute (one big fp32 tenso
 a little at every inner step, outside autograd, so every pseudo-gradient is dense and non-zero;
 the loss reads only a vocabulary-sized bias): M replicas x 1 worker, H=2, no emulated link,
 ``streaming.overlap_steps`` 0 so a replica's training thread waits for the whole exchange at
-its sync step. For each (P, M, format):
+its sync step. For each (P, M, format, K):
 
 - ``sync_s``: the median seconds a replica's training thread spends in one outer sync (send
   to merge: computing the pseudo-gradient, encoding, the driver's round and outer step, the
@@ -14,20 +14,24 @@ its sync step. For each (P, M, format):
   tensor among M processes, measured in the same run; ``ratio`` = ``sync_s / allreduce_s``;
 - ``memcpy_s``: one copy of ``[P]`` fp32 in this process;
 - ``sync_gb_s``: the bytes a replica moves in one sync (up + down) / ``sync_s``;
+- ``outer_shards``: ``diloco.outer_shards`` K (K = 1: the driver holds the global parameters;
+  K > 1: K shard actors do, the driver only decides the rounds);
 - ``outer_peak_rss_u``, ``worker_peak_rss_u``: the peak resident memory (``VmHWM`` from /proc)
-  of the outer-optimiser actor and of the largest replica worker, in units of U = 4 P bytes
+  of the outer-optimiser side (the driver and its K shard actors, summed) and of the largest
+  replica worker, in units of U = 4 P bytes
   (one fp32 copy of the model). Resident memory counts the object-store pages a process has
   mapped (the pseudo-gradients the actor read, the replies it wrote), which the object store
   owns and frees; so each is split, sampled every 50 ms, into ``*_private_u`` (``RssAnon``:
   the process's own memory) and ``*_shmem_u`` (``RssShmem``: object-store pages mapped);
+  ``outer_max_private_u``: the largest one process of the outer side;
   ``job_private_u``: the job's process (the trainer);
 - ``run_extra_u``: the peak over the run of the private memory of every process of the run
   (this one, the outer-optimiser actor, the workers; ``RssAnon``, sampled every 50 ms) plus the
-  object store's bytes in use, minus the same figure for a run with P = 1000 (the processes'
-  own start-up memory), in U.
+  object store's bytes in use, minus the same figure for a run with P = 1000 and the same M and
+  K (the processes' own start-up memory), in U.
 
     python benchmarks/exchange.py [--params 1e6 1e7 1e8] [--replicas 2 4] [--formats none fp4_e3m0]
-                                  [--outer-steps 4] [--json PATH]
+                                  [--shards 1 2] [--outer-steps 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ class Sampler:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str):
+def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str, shards: int = 1):
     from ray_diloco.config import load_config
 
     H = 2
@@ -143,15 +147,17 @@ def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str
         "model": {"preset": "tiny", "n_layers": 1, "n_heads": 1, "d_model": 8, "d_ff": 8, "context": 16},
         "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 16},
         "inner": {"global_batch": 4, "warmup_steps": 1},
-        "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": 1, "sync_timeout_s": 1800.0},
+        "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": 1, "sync_timeout_s": 1800.0,
+                   "outer_shards": shards},
         "streaming": {"quantization": fmt},
         "run": {"steps": H * outer_steps, "eval_every": 0, "checkpoint_every": 0, "log_hashes": False,
-                "output_dir": out_dir, "name": f"p{params}-m{replicas}-{fmt}"},
+                "output_dir": out_dir, "name": f"p{params}-m{replicas}-{fmt}-k{shards}"},
         "tracking": {"wandb": False, "progress": False},
     })
 
 
-def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str) -> dict:
+def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str,
+                 shards: int = 1) -> dict:
     """One run of ``outer_steps`` outer steps; the sync figures and peak memories."""
     import ray
 
@@ -159,14 +165,14 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    cfg = _config(params, replicas, fmt, outer_steps, out_dir)
+    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards)
     t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params))
     t.start()
     try:
         workers = all_workers(t.replicas)
-        outer_pid = ray.get(t.driver.ping.remote())
+        outer_pids = ray.get(t.driver.outer_pids.remote())  # the driver, then its shard actors
         worker_pids = ray.get([w.pid.remote() for w in workers])
-        sampler = Sampler([os.getpid(), outer_pid, *worker_pids])
+        sampler = Sampler([os.getpid(), *outer_pids, *worker_pids])
         syncs, moved = [], []
         for k in range(1, outer_steps + 1):
             start, end = (k - 1) * cfg.diloco.H, k * cfg.diloco.H
@@ -175,14 +181,16 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
                 syncs += [m["sync_s"] for m in metrics]
                 moved += [m["link"]["bytes_up"] + m["link"]["bytes_down"] for m in metrics]
         peak_total = sampler.stop()
-        outer_hwm = _status(outer_pid, "VmHWM")
+        outer_hwm = sum(_status(p, "VmHWM") for p in outer_pids)
         worker_hwm = max(_status(p, "VmHWM") for p in worker_pids)
     finally:
         t.shutdown()
     sync_s = statistics.median(syncs)
     return {"sync_s": sync_s, "sync_s_all": syncs, "bytes_per_sync": int(statistics.median(moved)),
             "outer_peak_rss": outer_hwm, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total,
-            "outer_private": sampler.private[outer_pid], "outer_shmem": sampler.shmem[outer_pid],
+            "outer_private": sum(sampler.private[p] for p in outer_pids),
+            "outer_shmem": sum(sampler.shmem[p] for p in outer_pids),
+            "outer_max_private": max(sampler.private[p] for p in outer_pids),
             "worker_private": max(sampler.private[p] for p in worker_pids),
             "worker_shmem": max(sampler.shmem[p] for p in worker_pids), "job_private": sampler.private[os.getpid()]}
 
@@ -238,6 +246,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, nargs="+", default=[1e6, 1e7, 1e8])
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--formats", nargs="+", default=["none", "fp4_e3m0"])
+    ap.add_argument("--shards", type=int, nargs="+", default=[1, 2], help="diloco.outer_shards K values")
     ap.add_argument("--outer-steps", type=int, default=4)
     ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
     ap.add_argument("--json", help="write the rows here")
@@ -253,8 +262,9 @@ def main() -> None:
     skip = {(int(float(p)), int(m)) for p, m in (s.split(":") for s in args.skip)}
     rows = []
     out_dir = tempfile.mkdtemp(prefix="exchange-bench-")
-    base = {m: measure_sync(1000, m, "none", 2, corpus, out_dir)["run_peak_total"] for m in args.replicas}
-    print(f"{'P':>6} {'M':>2} {'format':>9} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
+    base = {(m, k): measure_sync(1000, m, "none", 2, corpus, out_dir, k)["run_peak_total"]
+            for m in args.replicas for k in args.shards}
+    print(f"{'P':>6} {'M':>2} {'format':>9} {'K':>2} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
           f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7}", flush=True)
     for p in (int(x) for x in args.params):
         U = 4 * p
@@ -263,20 +273,21 @@ def main() -> None:
             if (p, m) in skip:
                 continue
             allreduce_s = measure_allreduce(p, m)
-            for fmt in args.formats:
-                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir)
-                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": 1, "sync_s": r["sync_s"],
+            for fmt, k in ((f, k) for f in args.formats for k in args.shards):
+                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k)
+                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": k, "sync_s": r["sync_s"],
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
                        "bytes_per_sync": r["bytes_per_sync"], "sync_s_all": r["sync_s_all"],
                        "outer_peak_rss_u": r["outer_peak_rss"] / U, "worker_peak_rss_u": r["worker_peak_rss"] / U,
                        "outer_private_u": r["outer_private"] / U, "outer_shmem_u": r["outer_shmem"] / U,
+                       "outer_max_private_u": r["outer_max_private"] / U,
                        "worker_private_u": r["worker_private"] / U, "worker_shmem_u": r["worker_shmem"] / U,
                        "job_private_u": r["job_private"] / U,
-                       "run_extra_u": (r["run_peak_total"] - base[m]) / U,
+                       "run_extra_u": (r["run_peak_total"] - base[(m, k)]) / U,
                        "load_avg_1m": os.getloadavg()[0]}
                 rows.append(row)
-                print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
+                print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {k:>2} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
                       f"{memcpy_s:>8.3f} {row['sync_gb_s']:>6.2f} {row['outer_peak_rss_u']:>7.1f} "
                       f"{row['outer_private_u']:>6.1f} {row['worker_peak_rss_u']:>8.1f} {row['worker_private_u']:>6.1f} "
                       f"{row['run_extra_u']:>7.1f}   (load {row['load_avg_1m']:.1f})",

@@ -163,14 +163,16 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
                            "bits_per_value": method.wire_bits, "latency_s": latency, "steps": p["steps"]}
     bw = bandwidth_gbps if bandwidth_gbps is not None else cfg.network.bandwidth_gbps
     exchange = "ring" if method.kind == "dp" else "server"  # DDP all-reduces; DiLoCo goes through the driver
-    out.update(exchange=exchange, link_factor=link_factor(Network(1.0, 0.0, replicas, exchange), method.kind == "dp"),
+    shards = 1 if method.kind == "dp" else min(cfg.diloco.outer_shards, replicas)  # one per replica node at most
+    out.update(exchange=exchange, outer_shards=shards,
+               link_factor=link_factor(Network(1.0, 0.0, replicas, exchange, shards), method.kind == "dp"),
                ring_factor=link_factor(Network(1.0, 0.0, replicas)))
     if bw is not None:
-        net = Network(bw, latency, replicas, exchange)
+        net = Network(bw, latency, replicas, exchange, shards)
         out.update({"bandwidth_gbps": bw, **wall_clock(model, method, net, p["steps"])})
     else:
-        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas, exchange=exchange)
-                                for t in TARGETS}
+        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas, exchange=exchange,
+                                                           shards=shards) for t in TARGETS}
     return out
 
 
@@ -180,7 +182,9 @@ def format_wall_clock(w: dict[str, Any]) -> str:
             f"compute per step ({w['tokens_per_step']:,} tokens over the replicas, {w['chips_per_replica']} chip(s) "
             "each)")
     if w["exchange"] == "server":
-        head += (f"\nthe outer exchange goes through the outer-optimiser actor: its link moves {w['link_factor']:.3g} x "
+        who = "the outer-optimiser actor: its link" if w.get("outer_shards", 1) == 1 else \
+            f"{w['outer_shards']} outer-optimiser shards (diloco.outer_shards) on replica nodes: a shard node's link"
+        head += (f"\nthe outer exchange goes through {who} moves {w['link_factor']:.3g} x "
                  f"the synced values each way (a ring all-reduce: {w['ring_factor']:.3g} x)")
     if "total_s" in w:
         return "\n".join([head, f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "

@@ -39,7 +39,12 @@ sends K object references, the driver hands each to its shard unresolved (the by
 replica's node to the shard's node, never through the driver), the driver alone decides the
 round (members, quorum, timeouts, who is included, in which order), every shard steps its slice
 with the same ordered terms, and the reply is the K shards' slices. Every operation is
-element-wise over aligned slices, so globals are bitwise the same for every K.
+element-wise over aligned slices, so globals are bitwise the same for every K (the per-round
+norms in the stats are combined from the slices' norms: equal to K = 1's up to rounding).
+A pseudo-gradient counts for its round once every shard has checked it (a malformed one changes
+nothing); one still being checked when the round times out is late. If a shard's step fails
+while the others' succeed, the shards are out of step: :meth:`OuterDriver.ping` raises from then
+on and the trainer stops the run (resume from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -301,7 +306,10 @@ class _Shards:
         return list(await asyncio.gather(*(self.one(i, name, *args) for i in range(self.k))))
 
     async def each(self, name: str, per_shard: list[tuple]) -> list[Any]:
-        return list(await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard))))
+        """Call shard i with ``per_shard[i]``; every call finishes (an exception is returned in
+        its place, not raised while others still run)."""
+        return list(await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard)),
+                                         return_exceptions=True))
 
 
 @dataclass
@@ -310,7 +318,6 @@ class _Round:
 
     opened: float
     arrived: set[int] = field(default_factory=set)  # submitted and checked, valid or not
-    checking: set[int] = field(default_factory=set)  # submitted, being checked by the shards
     weights: dict[int, float] = field(default_factory=dict)  # valid ones: tokens trained
     norms: dict[int, float] = field(default_factory=dict)
     rejected: set[int] = field(default_factory=set)
@@ -332,7 +339,145 @@ class _Finished:
     rejected: frozenset[int]
 
 
-class OuterDriver:
+class _DriverReads:
+    """The driver's liveness, read and checkpoint calls (a part of :class:`OuterDriver`): reads of
+    the global parameters and outer state wait until no outer step runs."""
+
+    shards: _Shards
+    numels: list[int] | None
+    versions: list[int]
+    last_finished: list[int]
+    stats: list[dict[str, Any]]
+    rounds: dict[tuple[int, int], _Round]
+    finished: dict[tuple[int, int], _Finished]
+    events: deque
+    failed_rounds: int
+    _locks: list[asyncio.Lock]
+    _broken: str | None
+    _pending_init: list[Any]
+
+    async def _ready(self) -> None:
+        """Wait for the shard actors' initialisation (every caller awaits the same calls)."""
+        if self._pending_init:
+            await asyncio.gather(*self._pending_init)
+
+    async def ping(self) -> int:
+        """The driver's process id (the trainer's liveness check; answered during an outer step).
+        With K > 1 every shard must answer too.
+
+        Raises:
+            ray.exceptions.RayActorError: a shard actor died (the run's global state is lost).
+            RuntimeError: the shards got out of step (a shard's step failed while others' did not)."""
+        if self._broken:
+            raise RuntimeError(self._broken)
+        if self.shards.actors:
+            await asyncio.gather(*(a.ping.remote() for a in self.shards.actors))
+        return os.getpid()
+
+    async def outer_pids(self) -> list[int]:
+        """Process ids of the outer-optimiser side: this driver, then its shard actors (K > 1)."""
+        return [os.getpid(), *(await asyncio.gather(*(a.ping.remote() for a in self.shards.actors)))]
+
+    async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
+        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
+        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
+        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
+        due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
+        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
+        return due
+
+    async def _quiet(self, name: str, *args: Any) -> list[Any]:
+        """``name`` on every shard while no outer step runs (every fragment's lock held, taken in
+        fragment order): reads see one version of every slice."""
+        await self._ready()
+        held = []
+        try:
+            for lock in self._locks:
+                await lock.acquire()
+                held.append(lock)
+            return await self.shards.all(name, *args)
+        finally:
+            for lock in held:
+                lock.release()
+
+    async def global_refs(self) -> list[Any]:
+        """Every global fragment (fp32 ``[numel_p]``) put once into the object store: one
+        ObjectRef per fragment, or with K > 1 a list of the K slices' ObjectRefs
+        (``runtime.link.fetch_global`` joins them)."""
+        per_shard = await self._quiet("global_refs")
+        return [refs[0] if len(refs) == 1 else list(refs) for refs in zip(*per_shard)]
+
+    async def global_params(self) -> list[np.ndarray]:
+        """Copies of every global fragment, fp32 ``[numel_p]``."""
+        per_shard = await self._quiet("global_params")
+        return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*per_shard)]
+
+    async def global_versions(self) -> list[int]:
+        """Outer steps applied to each fragment (what a joiner's versions start from)."""
+        return list(self.versions)
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The outer optimiser's state (global parameters, optimiser buffers, steps), the downlink
+        residuals, fragment versions, the newest finished round per fragment and the figures of
+        completed rounds not yet reported: the K = 1 layout whatever K (shards' slices joined)."""
+        states = await self._quiet("state_dict")
+        if len(states) == 1:
+            out = states[0]
+        else:
+            bounds = [shard_bounds(n, self.shards.k) for n in self.numels]
+            residuals = [None if all(s["residuals"][f] is None for s in states) else
+                         np.concatenate([np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None
+                                         else s["residuals"][f] for s, b in zip(states, bounds[f])])
+                         for f in range(len(self.numels))]
+            out = {"global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
+                   "optimizers": [join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
+                                  for f in range(len(self.numels))],
+                   "steps": list(states[0]["steps"]), "residuals": residuals}
+        out.update({"versions": list(self.versions), "completed": list(self.last_finished),
+                    "stats": copy.deepcopy(self.stats)})
+        return out
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (each shard takes its slice of the one object)."""
+        await self._quiet("load_state_dict", ray.put(state) if self.shards.actors else state)
+        n = len(self.numels)
+        self.versions = list(state.get("versions", [0] * n))
+        self.last_finished = list(state.get("completed", [0] * n))
+        self.stats = copy.deepcopy(list(state.get("stats", [])))
+
+    async def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the outer optimiser buffers (the same for every
+        K: computed over the whole state's bytes in fragment order)."""
+        if self.shards.local is not None:
+            return await self.shards.local.state_hash()
+        state = await self.state_dict()
+        hg, hm = hashlib.sha256(), hashlib.sha256()
+        for g, o in zip(state["global"], state["optimizers"]):
+            hg.update(np.ascontiguousarray(g, dtype=np.float32).tobytes())
+            for v in o["state"].get(0, {}).values():
+                if isinstance(v, torch.Tensor):
+                    hm.update(v.numpy().tobytes())
+        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+
+    def pending_rounds(self) -> int:
+        """Open rounds (waiting for pseudo-gradients or closing)."""
+        return len(self.rounds)
+
+    async def memory(self) -> dict[str, int]:
+        """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients
+        held by the shards, kept replies), queued events and stats, and the resident memory
+        (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
+        shards = await self.shards.all("memory")
+        held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
+        out = {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
+               "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
+               "rss_bytes": _rss_bytes()}
+        if self.shards.actors:
+            out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
+        return out
+
+
+class OuterDriver(_DriverReads):
     """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor).
 
     Args:
@@ -360,13 +505,16 @@ class OuterDriver:
         self.events: deque = deque(maxlen=MAX_EVENTS)
         self.failed_rounds = 0
         self.shards = _Shards(self.cfg.to_dict(), c.diloco.outer_shards)
-        self._pending_init: Any = None
+        self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
+        self._broken: str | None = None  # K > 1 shards out of step: the run must stop (ping raises)
+        self._checking: set[tuple[int, int, int]] = set()  # (fragment, step, replica) being checked
         if initial is not None:
             values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
             if self.shards.local is not None:  # in process: at once
                 self._set_numels(self.shards.local.set_global(values))
-            else:  # actors: they take their slices while the driver starts serving
-                self._pending_init = [a.init_global.remote(values) for a in self.shards.actors]
+            else:  # actors: they take their slices while the driver starts serving (put once, by reference)
+                refs = [ray.put(v) for v in values]
+                self._pending_init = [a.init_global.remote(refs) for a in self.shards.actors]
                 self._set_numels([v.size for v in values])
 
     async def init_global(self, initial: list[Any]) -> None:
@@ -389,11 +537,6 @@ class OuterDriver:
         self.finished_order: list[deque] = [deque() for _ in numels]
         self.last_finished = [0] * len(numels)  # send step of the newest finished round
         self._locks = [asyncio.Lock() for _ in numels]  # outer steps of a fragment, one at a time, in order
-
-    async def _ready(self) -> None:
-        if self._pending_init is not None:
-            pending, self._pending_init = self._pending_init, None
-            await asyncio.gather(*pending)
 
     # -- membership --------------------------------------------------------------------------
     def add_member(self, replica: int, join_step: int, **info: Any) -> None:
@@ -494,7 +637,13 @@ class OuterDriver:
         order = sorted(r.weights)
         if len(order) >= self.quorum and sum(r.weights.values()) > 0:
             terms = [(m, r.weights[m]) for m in order]
-            outs = await self.shards.all("step", fragment, step, terms, r.average_only)
+            outs = await self.shards.each("step", [(fragment, step, terms, r.average_only)] * self.shards.k)
+            errors = [o for o in outs if isinstance(o, BaseException)]
+            if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
+                self._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
+                                f"{step}: {errors[0] if errors else 'versions differ'}")
+            if errors:
+                raise errors[0]
             refs = [o[0] for o in outs]
             size, update_norm = sum(o[1] for o in outs), _combine_norms([o[2] for o in outs])
             self.versions[fragment] = outs[0][3]
@@ -575,33 +724,33 @@ class OuterDriver:
             if replica in self.members and self._is_closed(fragment, step):
                 self._event("late", replica, fragment=fragment, step=step)
             return await self._reply(fragment, step, replica, version)
-        r = self._open(fragment, step)
-        r.average_only = r.average_only or average_only
-        if replica in r.arrived or replica in r.checking:
+        key = (fragment, step, replica)
+        if key in self._checking or replica in getattr(self.rounds.get((fragment, step)), "arrived", ()):
             raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
         valid = parts is not None and bool(np.isfinite(weight)) and weight >= 0
         norms, size = [None], 0
-        if valid:
-            r.checking.add(replica)
+        if valid:  # checked before the round counts it: a malformed message changes nothing
+            self._checking.add(key)
             try:
                 checks = await self.shards.each("check", [(fragment, step, replica, [p]) for p in parts])
-            except Exception:
-                await self.shards.all("discard", fragment, step, replica)
-                raise
             finally:
-                r.checking.discard(replica)
-            del parts
+                self._checking.discard(key)
+                del parts
+            errors = [c for c in checks if isinstance(c, BaseException)]
+            if errors:  # every shard's check has finished: nothing is kept after this discard
+                await self.shards.all("discard", fragment, step, replica)
+                raise errors[0]
             norms, size = [c[0] for c in checks], sum(c[1] for c in checks)
-            if r.closing or self.rounds.get((fragment, step)) is not r or replica not in self.members:
-                await self.shards.all("discard", fragment, step, replica)  # closed while it was checked
+            if replica not in self.members or self._is_closed(fragment, step):  # closed while it was checked
+                await self.shards.all("discard", fragment, step, replica)
                 if replica in self.members:
                     self._event("late", replica, fragment=fragment, step=step)
                 return await self._reply(fragment, step, replica, version)
+        r = self._open(fragment, step)
+        r.average_only = r.average_only or average_only
         r.arrived.add(replica)
         r.bytes_up += size
-        if not valid or any(n is None for n in norms):
-            if valid:
-                await self.shards.all("discard", fragment, step, replica)
+        if not valid or any(n is None for n in norms):  # slices a shard kept are dropped by the round's step
             r.rejected.add(replica)
             self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
         else:
@@ -624,105 +773,6 @@ class OuterDriver:
             if not r.done.is_set():
                 await self._wait(fragment, step, r)
         return await self._reply(fragment, step, replica, version)
-
-    # -- reads and checkpoints (each shard answers after the steps submitted before) ------------
-    async def ping(self) -> int:
-        """The driver's process id (the trainer's liveness check; answered during an outer step).
-        With K > 1 every shard must answer too.
-
-        Raises:
-            ray.exceptions.RayActorError: a shard actor died (the run's global state is lost)."""
-        if self.shards.actors:
-            await asyncio.gather(*(a.ping.remote() for a in self.shards.actors))
-        return os.getpid()
-
-    async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
-        """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
-        at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
-        :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
-        due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
-        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
-        return due
-
-    async def global_refs(self) -> list[Any]:
-        """Every global fragment (fp32 ``[numel_p]``) put once into the object store: one
-        ObjectRef per fragment, or with K > 1 a list of the K slices' ObjectRefs
-        (``runtime.link.fetch_global`` joins them)."""
-        await self._ready()
-        per_shard = await self.shards.all("global_refs")
-        return [refs[0] if len(refs) == 1 else list(refs) for refs in zip(*per_shard)]
-
-    async def global_params(self) -> list[np.ndarray]:
-        """Copies of every global fragment, fp32 ``[numel_p]``."""
-        await self._ready()
-        per_shard = await self.shards.all("global_params")
-        return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*per_shard)]
-
-    async def global_versions(self) -> list[int]:
-        """Outer steps applied to each fragment (what a joiner's versions start from)."""
-        return list(self.versions)
-
-    async def state_dict(self) -> dict[str, Any]:
-        """The outer optimiser's state (global parameters, optimiser buffers, steps), the downlink
-        residuals, fragment versions, the newest finished round per fragment and the figures of
-        completed rounds not yet reported: the K = 1 layout whatever K (shards' slices joined)."""
-        await self._ready()
-        states = await self.shards.all("state_dict")
-        if len(states) == 1:
-            out = states[0]
-        else:
-            bounds = [shard_bounds(n, self.shards.k) for n in self.numels]
-            residuals = [None if all(s["residuals"][f] is None for s in states) else
-                         np.concatenate([np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None
-                                         else s["residuals"][f] for s, b in zip(states, bounds[f])])
-                         for f in range(len(self.numels))]
-            out = {"global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
-                   "optimizers": [join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
-                                  for f in range(len(self.numels))],
-                   "steps": list(states[0]["steps"]), "residuals": residuals}
-        out.update({"versions": list(self.versions), "completed": list(self.last_finished),
-                    "stats": copy.deepcopy(self.stats)})
-        return out
-
-    async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (each shard takes its slice)."""
-        await self._ready()
-        await self.shards.all("load_state_dict", state)
-        n = len(self.numels)
-        self.versions = list(state.get("versions", [0] * n))
-        self.last_finished = list(state.get("completed", [0] * n))
-        self.stats = copy.deepcopy(list(state.get("stats", [])))
-
-    async def state_hash(self) -> dict[str, str]:
-        """sha256 of the global parameters and of the outer optimiser buffers (the same for every
-        K: computed over the whole state's bytes in fragment order)."""
-        if self.shards.local is not None:
-            return await self.shards.local.state_hash()
-        state = await self.state_dict()
-        hg, hm = hashlib.sha256(), hashlib.sha256()
-        for g, o in zip(state["global"], state["optimizers"]):
-            hg.update(np.ascontiguousarray(g, dtype=np.float32).tobytes())
-            for v in o["state"].get(0, {}).values():
-                if isinstance(v, torch.Tensor):
-                    hm.update(v.numpy().tobytes())
-        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
-
-    def pending_rounds(self) -> int:
-        """Open rounds (waiting for pseudo-gradients or closing)."""
-        return len(self.rounds)
-
-    async def memory(self) -> dict[str, int]:
-        """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients
-        held by the shards, kept replies), queued events and stats, and the resident memory
-        (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
-        shards = await self.shards.all("memory")
-        held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
-        out = {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
-               "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
-               "rss_bytes": _rss_bytes()}
-        if self.shards.actors:
-            out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
-        return out
 
 
 #: The driver as a Ray actor. It reserves no CPU (it must not take a core a replica worker
