@@ -215,8 +215,9 @@ class Membership:
         try:  # first the driver: when it is the one that died, the replicas are not to blame
             ray.get(self.driver.ping.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            raise ClusterError(f"the outer-optimiser driver failed: {error_cause(e)} (resume the run with "
-                               "--resume RUN_DIR: it restarts from the last checkpoint)") from None
+            raise ClusterError(f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: "
+                               f"{error_cause(e)} (resume the run with --resume RUN_DIR: it restarts from the "
+                               "last checkpoint)") from None
         self.live.remove(r)
         stop_replicas([r])
         ray.get(self.driver.remove_member.remote(r.index, reason, kind))
