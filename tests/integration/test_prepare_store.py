@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, SHAKESPEARE, run_cli
 
 from ray_diloco.components.prepare import PrepareOptions, prepare_store
+from test_storage import s3_bucket  # noqa: F401  (the fixture: a moto S3 server on loopback)
 from ray_diloco.components.token_store import TokenStore
 from ray_diloco.errors import DataError
 
@@ -118,3 +119,23 @@ def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
     state_shards = [n for n in kept if int(n[6:11]) < len(kept) - 1]
     assert state_shards and all((out / n).stat().st_ino == kept[n] for n in state_shards)  # not rewritten
     assert np.array_equal(TokenStore(str(out)).split("val").to_array(), TokenStore(str(tmp_path / "ref")).split("val").to_array())
+
+
+def test_prepare_writes_a_store_to_s3_that_reads_back_as_the_local_one(ray_session, text_dir, tmp_path, s3_bucket):
+    """``--out s3://...`` (a real S3 protocol server, moto): the shards, tokenizer and manifest land
+    in the bucket, the store reads back through the remote reader with the same id and tokens as
+    the same prepare written to a local directory; a second prepare to the same URI is refused in
+    one line and the store stays as it was."""
+    pytest.importorskip("moto")
+    opts = dict(sources=[str(text_dir)], tokenizer="char", val_fraction=0.1, shard_tokens=8192, progress=False)
+    uri = s3_bucket.replace("s3://bucket/runs", "s3://bucket/stores/prepared")
+    local = prepare_store(PrepareOptions(out=str(tmp_path / "local"), **opts))
+    remote = prepare_store(PrepareOptions(out=uri, **opts))
+    assert remote["tokens"] == local["tokens"] and remote["shards"] == local["shards"]
+    a, b = TokenStore(str(tmp_path / "local")), TokenStore(uri)
+    assert a.id == b.id
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(a.split(split).to_array(), b.split(split).to_array())
+    with pytest.raises(DataError, match=r"already holds a prepared store \(manifest.json\); choose another --out"):
+        prepare_store(PrepareOptions(out=uri, **opts))
+    assert TokenStore(uri).id == b.id  # untouched
