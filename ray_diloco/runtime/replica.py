@@ -169,8 +169,10 @@ class ReplicaWorker:
         return os.getpid()
 
     def data_windows(self) -> np.ndarray:
-        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch."""
-        return self.reader._epoch_plan(self.reader.epoch)[0].copy()
+        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch
+        (either window order: an array of a numpy permutation or a Feistel permutation's values)."""
+        r = self.reader
+        return np.asarray(r._windows(r.epoch, np.arange(r.per_shard, dtype=np.int64)), dtype=np.int64)
 
     def param_specs(self) -> list[ParamSpec]:
         """Names and shapes of the trainable parameters, in exchange order."""

@@ -74,3 +74,44 @@ def test_bad_prepared_values_are_one_line_errors(tmp_path):
         load_config(None, ["run.eval_tokens=10"])
     with pytest.raises(DataError, match=r"data.prepared = .*: no manifest.json"):
         train(tiny_overrides(tmp_path, data__prepared=str(tmp_path)), model_fn=torch_lm)
+
+
+def test_a_replacement_takes_over_its_slot_of_a_prepared_store(ray_session, tmp_path):
+    """A run on a prepared store (Feistel window order): replica 1 is SIGKILLed, a replacement
+    joins in its data slot and reads that slot's windows (the dead replica's, disjoint from
+    replica 0's); every worker holds the driver's globals."""
+    import os
+    import signal
+    import time
+
+    import ray as ray_mod
+    from conftest import start_trainer
+
+    from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import load_config
+
+    st = _store(str(tmp_path / "store"))
+    cfg = load_config(tiny_overrides(tmp_path, data__prepared=st.where, run__steps=40, diloco__H=5,
+                                     run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0,
+                                     diloco__cpus_per_worker=0.5))
+    t = start_trainer(cfg, load_corpus(cfg.data), torch_lm)
+    try:
+        t.outer_step(1)
+        w0, w1 = (set(ray_mod.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas)
+        assert w0 and w1 and not (w0 & w1)
+        os.kill(ray_mod.get(t.replicas[1].rank0.pid.remote(), timeout=10), signal.SIGKILL)
+        row = t.outer_step(2)
+        assert row["replicas_live"] == 1
+        deadline = time.monotonic() + 120
+        while not t.members.poll():
+            assert time.monotonic() < deadline, "the replacement did not start"
+            time.sleep(0.1)
+        row = t.outer_step(3)  # replica 2 joins in slot 1
+        assert [(r.index, r.slot) for r in t.replicas] == [(0, 0), (2, 1)]
+        w2 = set(ray_mod.get(t.replicas[1].rank0.data_windows.remote()).tolist())
+        assert w2 == w1 and not (w2 & w0)
+        assert t.members.slot_readers[1][0] is not None  # the slot's read position, handed to the joiner
+        row = t.outer_step(4)
+        assert row["replicas_live"] == 2 and set(row["worker_global_sha256"]) == {row["global_sha256"]}
+    finally:
+        t.shutdown()
