@@ -169,9 +169,8 @@ class ReplicaWorker:
         return os.getpid()
 
     def data_windows(self) -> np.ndarray:
-        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch
-        (either window order: an array of a numpy permutation or a Feistel permutation's values)."""
-        r = self.reader
+        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch."""
+        r = self.reader  # either window order: a numpy permutation's or a Feistel permutation's
         return np.asarray(r._windows(r.epoch, np.arange(r.per_shard, dtype=np.int64)), dtype=np.int64)
 
     def param_specs(self) -> list[ParamSpec]:
@@ -254,9 +253,8 @@ class ReplicaWorker:
         return self.sync.global_fragment(fragment)
 
     def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
-        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps): keep a copy,
-        overwrite the local parameters (``global_p``: an array, an ObjectRef, or the K outer shards'
-        slices as a list of ObjectRefs)."""
+        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps; an array, an
+        ObjectRef, or a list of the K outer shards' slices' ObjectRefs) and overwrite the local ones."""
         self.sync.load_global(fragment, fetch_global(global_p), version)
 
     # -- inner loop ------------------------------------------------------------------------
