@@ -159,6 +159,19 @@ def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> 
     return ordered_mean(deltas, weights).take()
 
 
+def outer_state_hash(globals_: list[np.ndarray], states: list[dict[str, Any]]) -> dict[str, str]:
+    """sha256 of the global fragments (fp32, in fragment order) and of the tensors of each
+    fragment's optimiser state (per-parameter state dict, in its order): what
+    :meth:`OuterOptimizer.state_hash` reports, also from a ``state_dict`` (the sharded driver)."""
+    hg, hm = hashlib.sha256(), hashlib.sha256()
+    for g, st in zip(globals_, states):
+        hg.update(np.ascontiguousarray(g, dtype=np.float32).tobytes())
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                hm.update(v.numpy().tobytes())
+    return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+
+
 class OuterOptimizer:
     """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
 
@@ -311,10 +324,5 @@ class OuterOptimizer:
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""
-        hg, hm = hashlib.sha256(), hashlib.sha256()
-        for p, o in zip(self.params, self.opts):
-            hg.update(p.numpy().tobytes())
-            for v in o.state.get(p, {}).values():
-                if isinstance(v, torch.Tensor):
-                    hm.update(v.numpy().tobytes())
-        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+        return outer_state_hash([p.numpy() for p in self.params],
+                                [o.state.get(p, {}) for p, o in zip(self.params, self.opts)])

@@ -223,7 +223,11 @@ class Reply:
         return self.size if self.size >= 0 else message_size(self.message)
 
 
-def _message_numel(message: Message) -> int:
+def message_numel(message: Message) -> int:
+    """Values a message carries (a raw fp32 array's size, or a framed message's header count).
+
+    Raises:
+        ValueError: malformed framed message."""
     if isinstance(message, np.ndarray) and message.dtype == np.float32:
         return message.size
     return from_message(message).numel
@@ -243,7 +247,7 @@ def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
     if isinstance(reply.message, list):  # K outer-optimiser shards: one message per slice, in order
         out, start = torch.empty_like(old_global), 0
         for part in reply.message:
-            n = _message_numel(part)
+            n = message_numel(part)
             if start + n > old_global.numel():
                 raise ValueError(f"shard replies have more values than the fragment's {old_global.numel()}")
             piece = decode_reply(old_global[start:start + n], Reply(reply.status, reply.version, part, reply.resync))

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import inspect
 import math
 import os
@@ -65,11 +64,11 @@ import numpy as np
 import ray
 import torch
 
-from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
-from ray_diloco.core.quantize import from_message, message_nbytes
+from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm, outer_state_hash
+from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.shards import join_optimizer_states, shard_bounds, slice_optimizer_state
-from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_size, message_values,
-                                  transfer_allowance_s)
+from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_numel, message_size,
+                                  message_values, transfer_allowance_s)
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 1
@@ -177,8 +176,7 @@ class OuterShard:
         if isinstance(message, ray.ObjectRef):
             message = await message
         n = self.bounds[fragment].stop - self.bounds[fragment].start
-        got = message.size if isinstance(message, np.ndarray) and message.dtype == np.float32 else \
-            from_message(message).numel  # malformed input is refused here
+        got = message_numel(message)  # malformed input is refused here
         if got != n:
             what = "fragment" if self.shards == 1 else f"shard {self.shard} of fragment"
             raise ValueError(f"replica {replica}: {what} {fragment} has {n} values, got {got}")
@@ -451,13 +449,7 @@ class _DriverReads:
         if self.shards.local is not None:
             return await self.shards.local.state_hash()
         state = await self.state_dict()
-        hg, hm = hashlib.sha256(), hashlib.sha256()
-        for g, o in zip(state["global"], state["optimizers"]):
-            hg.update(np.ascontiguousarray(g, dtype=np.float32).tobytes())
-            for v in o["state"].get(0, {}).values():
-                if isinstance(v, torch.Tensor):
-                    hm.update(v.numpy().tobytes())
-        return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
+        return outer_state_hash(state["global"], [o["state"].get(0, {}) for o in state["optimizers"]])
 
     def pending_rounds(self) -> int:
         """Open rounds (waiting for pseudo-gradients or closing)."""

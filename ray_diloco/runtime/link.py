@@ -34,9 +34,7 @@ def resolve_reply(reply: Reply) -> Reply:
     read-only fp32 view of it, not a copy)."""
     import ray
 
-    if isinstance(reply.message, ray.ObjectRef):
-        return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
-    if isinstance(reply.message, list):
+    if isinstance(reply.message, (ray.ObjectRef, list)):
         return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
     return reply
 
