@@ -19,7 +19,9 @@ and talks to the driver through any :class:`Transport` (``runtime/link.py``'s ``
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
@@ -35,7 +37,8 @@ class Transport(Protocol):
     """How a replica's worker exchanges fragments with the outer optimiser.
 
     ``exchange`` starts one sync in the background and returns a ``Future[SyncResult]``:
-    ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on) is given on rank 0 and
+    ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on; it may hand it back to
+    ``FragmentSync.buffers`` once sent) is given on rank 0 and
     None on other ranks; ``old_global`` (the global value at ``version``) does not change until
     the future is done; ``average_only``: a closing round. With error feedback the transport
     keeps a residual per fragment, which ``residual_state``/``load_residual_state`` checkpoint
@@ -57,6 +60,66 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Stop; exchanges still pending are abandoned."""
+
+
+class SyncBuffers:
+    """fp32 buffers reused from one sync to the next for the pseudo-gradient a replica sends and
+    the new global value a receiver joins or decodes. A fresh buffer costs its page faults on
+    first touch (measured: 0.28 s to fault 100M fp32 values in, against 0.09 s for the
+    subtraction that fills them), a reused one does not.
+
+    The training thread takes a pseudo-gradient buffer; the transport gives it back once the
+    bytes are in the object store and may take one for the value it decodes; the training
+    thread gives the old global value back at the merge. A request is served by the smallest
+    free buffer that holds it and is at most 25% larger (a view of its first ``numel`` values),
+    so streaming fragments of about the same size share buffers. Free buffers are kept up to twice the largest
+    size asked for (the oldest given back go first). Thread-safe. Only tensors this object
+    handed out are taken back (by identity); anything else given is ignored.
+    """
+
+    def __init__(self):
+        self._free: list[torch.Tensor] = []  # whole buffers, in the order given back
+        self._ours: dict[int, weakref.ref] = {}  # id -> a whole buffer handed out (identity, not value)
+        self._largest = 0
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers made (not reused) so far
+
+    def take(self, numel: int) -> torch.Tensor:
+        """``numel`` fp32 values, uninitialised: a free buffer (or a view of its start) when one
+        is large enough, else a new one."""
+        numel = int(numel)
+        with self._lock:
+            self._largest = max(self._largest, numel)
+            fits = [i for i, f in enumerate(self._free) if numel <= f.numel() <= numel * 5 // 4]
+            if fits:
+                base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                return base if base.numel() == numel else base[:numel]
+        t = torch.empty(numel, dtype=torch.float32)
+        with self._lock:
+            self._ours = {k: r for k, r in self._ours.items() if r() is not None}
+            self._ours[id(t)] = weakref.ref(t)
+            self.allocated += 1
+        return t
+
+    def give(self, t: torch.Tensor | None) -> None:
+        """Hand back ``t`` (from :meth:`take`); the caller must hold no other reference to its
+        values. Kept within the bound above, else dropped."""
+        if t is None:
+            return
+        base = t if t._base is None else t._base
+        with self._lock:
+            ref = self._ours.get(id(base))
+            if ref is None or ref() is not base or any(f is base for f in self._free):
+                return
+            self._free.append(base)
+            while sum(f.numel() for f in self._free) > 2 * self._largest:
+                self._free.pop(0)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the free buffers kept."""
+        with self._lock:
+            return sum(t.numel() * 4 for t in self._free)
 
 
 @dataclasses.dataclass
@@ -118,6 +181,9 @@ class FragmentSync:
         rank: the worker's rank in its replica; only rank 0 computes pseudo-gradients.
         trace: record fp32 tensors of every send and merge (``run.trace_syncs``).
         on_reset: called after a reset to the global parameters (clear the inner optimiser).
+
+    ``buffers`` (:class:`SyncBuffers`) are shared with the transport: pseudo-gradients are
+    computed into them and old global values go back to them at the merge.
     """
 
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], *, alpha: float,
@@ -135,6 +201,7 @@ class FragmentSync:
         self.last_send = [0] * n
         self.trace: list[dict[str, Any]] = []
         self.comm = CommCounters()
+        self.buffers = SyncBuffers()
 
     # -- set-up ----------------------------------------------------------------------------
     def attach(self, schedule: SyncSchedule, transport: Transport) -> None:
@@ -204,10 +271,9 @@ class FragmentSync:
         """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
         it to the transport; the merge is queued for ``schedule.apply_step(t)``."""
         frag, g = self.fragments[f], self.global_flat[f]
-        # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only; a new buffer, freed
-        # once the transport has sent it (a buffer kept per fragment saves its page faults, about
-        # 0.1 s per 100M values, but holds one more copy of the model all the time)
-        delta = pseudo_gradient(g, self.params, frag) if self.rank == 0 else None
+        # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
+        # buffer (SyncBuffers), handed back by the transport once it has sent it
+        delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel)) if self.rank == 0 else None
         weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
         prev, self.last_send[f] = self.last_send[f], t
         fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t))
@@ -226,6 +292,7 @@ class FragmentSync:
         frag, alpha = self.fragments[e.fragment], self.alpha
         # the local values are read only where the merge or the trace needs them (not for alpha 0)
         local = flatten(self.params, frag) if self.tracing or 0 < alpha < 1 else None
+        old = self.global_flat[e.fragment]
         self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
         if res.status == FAILED:
             self.last_send[e.fragment] = e.prev_send
@@ -242,6 +309,9 @@ class FragmentSync:
             rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
             rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
                         "merged": merged.clone()})
+        if old is not new and not any(p.fragment == e.fragment for p in self.pending):
+            self.buffers.give(old)  # no exchange reads it any more (the trace keeps clones)
+        del old
         return waited
 
     def settle(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -233,35 +233,49 @@ def message_numel(message: Message) -> int:
     return from_message(message).numel
 
 
-def decode_reply(old_global: torch.Tensor, reply: Reply) -> torch.Tensor:
+def decode_reply(old_global: torch.Tensor, reply: Reply,
+                 alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
     without a message, the resync values, or :func:`apply_downlink` ``(old, message)``; a list
     of messages (``diloco.outer_shards`` K > 1) is one per shard's slice, in order, each
     decoded the same way into its slice of a new tensor (element-wise: the same bits as K = 1).
+    A ``none`` message of one part is a read-only view of it; a new tensor, where one is needed,
+    comes from ``alloc(numel)`` (default ``torch.empty``; ``core.sync.SyncBuffers.take``
+    reuses buffers) and must not alias ``old_global``.
 
     Raises:
         ValueError: malformed message or wrong number of values.
     """
     if reply.message is None:
         return old_global
+    n_all = old_global.numel()
     if isinstance(reply.message, list):  # K outer-optimiser shards: one message per slice, in order
-        out, start = torch.empty_like(old_global), 0
+        out, start = _new(alloc, n_all), 0
         for part in reply.message:
             n = message_numel(part)
-            if start + n > old_global.numel():
-                raise ValueError(f"shard replies have more values than the fragment's {old_global.numel()}")
-            piece = decode_reply(old_global[start:start + n], Reply(reply.status, reply.version, part, reply.resync))
-            out[start:start + n] = piece
+            if start + n > n_all:
+                raise ValueError(f"shard replies have more values than the fragment's {n_all}")
+            dest = out[start:start + n]
+            piece = decode_reply(old_global[start:start + n], Reply(reply.status, reply.version, part, reply.resync),
+                                 alloc=lambda _n, d=dest: d)
+            if piece.data_ptr() != dest.data_ptr():
+                dest.copy_(piece)
             start += n
-        if start != old_global.numel():
-            raise ValueError(f"shard replies have {start} values, the fragment has {old_global.numel()}")
+        if start != n_all:
+            raise ValueError(f"shard replies have {start} values, the fragment has {n_all}")
         return out
     if reply.resync:
         fmt, values = message_values(reply.message)
-        if fmt != "none" or values.size != old_global.numel():
-            raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {old_global.numel()}")
+        if fmt != "none" or values.size != n_all:
+            raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {n_all}")
         return as_tensor(values) if isinstance(reply.message, np.ndarray) else torch.from_numpy(values)
-    return apply_downlink(old_global, reply.message)
+    if isinstance(reply.message, np.ndarray) and reply.message.dtype == np.float32:
+        return apply_downlink(old_global, reply.message)  # a view: nothing allocated
+    return apply_downlink(old_global, reply.message, out=_new(alloc, n_all))
+
+
+def _new(alloc: Callable[[int], torch.Tensor] | None, numel: int) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32) if alloc is None else alloc(numel)
 
 
 def link_delay_s(nbytes: int, bandwidth_gbps: float | None, latency_ms: float) -> float:

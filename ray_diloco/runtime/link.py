@@ -25,6 +25,7 @@ import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
 from ray_diloco.core.shards import shard_bounds
+from ray_diloco.core.sync import SyncBuffers
 from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
 
 
@@ -78,6 +79,9 @@ class Link:
         bandwidth_gbps, latency_ms: WAN emulation, slept on this thread per message.
         shards: ``diloco.outer_shards`` K: the pseudo-gradient is sent as K slices
             (``core.shards.shard_bounds``), one object per outer-optimiser shard.
+        buffers: the worker's ``core.sync.SyncBuffers`` (``FragmentSync.buffers``): a sent
+            pseudo-gradient's buffer goes back to it once its bytes are in the object store, and
+            a decoded or joined new global value is written into one of its buffers.
     """
 
     driver: Any
@@ -88,6 +92,7 @@ class Link:
     bandwidth_gbps: float | None = None
     latency_ms: float = 0.0
     shards: int = 1
+    buffers: SyncBuffers | None = None
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: LinkStats = field(default_factory=LinkStats)
 
@@ -100,7 +105,8 @@ class Link:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
         ``Future[SyncResult]``.
 
-        ``delta`` (fp32 ``[numel_p]``, owned by the link from now on) is required on rank 0 and
+        ``delta`` (fp32 ``[numel_p]``, owned by the link from now on, then handed back to
+        :attr:`buffers`) is required on rank 0 and
         ignored on other ranks; a non-finite one is not sent (the replica abstains and the
         driver rejects it). ``old_global`` (the global version ``version``) must not change
         until the future is done. ``average_only``: the driver averages instead of taking an
@@ -126,11 +132,13 @@ class Link:
         if self.rank == 0:
             before = self.residuals.get(fragment)
             parts = self._encode(fragment, delta, before)
-            del delta
             up = 0 if parts is None else sum(message_size(m) for m in parts)
             self._sleep(up)
             refs = None if parts is None else [ray.put(m) for m in parts]  # once; the owners read them in place
-            del parts
+            del parts  # the bytes are in the object store: the buffer is free for the next sync
+            if self.buffers is not None:
+                self.buffers.give(delta)
+            del delta
             call = self.driver.exchange.remote(fragment, step, self.replica, weight, refs, version, average_only)
             del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
@@ -143,7 +151,8 @@ class Link:
             reply = ray.get(self.driver.result.remote(fragment, step, self.replica, version, average_only))
         down = reply.nbytes
         self._sleep(down)
-        new_global = decode_reply(old_global, resolve_reply(reply))
+        new_global = decode_reply(old_global, resolve_reply(reply),
+                                  alloc=None if self.buffers is None else self.buffers.take)
         with self._lock:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version)

@@ -199,7 +199,8 @@ class ReplicaWorker:
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n = self.cfg.streaming, self.cfg.network
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
-                                        n.bandwidth_gbps, n.latency_ms, self.cfg.diloco.outer_shards))
+                                        n.bandwidth_gbps, n.latency_ms, self.cfg.diloco.outer_shards,
+                                        buffers=self.sync.buffers))
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at

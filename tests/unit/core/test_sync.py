@@ -106,6 +106,7 @@ class MemoryTransport:
         self.residuals: dict[int, torch.Tensor] = {}
         self.exchanges = 0
         self.pool = ThreadPoolExecutor(max_workers=1)
+        self.buffers = None  # FragmentSync.buffers, used as runtime/link.py's Link uses them
 
     def exchange(self, fragment, step, weight, delta, old_global, version=0, average_only=False) -> Future:
         return self.pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
@@ -116,12 +117,15 @@ class MemoryTransport:
             message, residual = quantize_with_feedback(delta, self.fmt, before)
             if self.error_feedback:
                 self.residuals[fragment] = residual
+        if self.buffers is not None:
+            self.buffers.give(delta)  # sent: the next pseudo-gradient may be computed into it
         reply = self.driver.exchange(fragment, step, self.replica, weight, message, version, average_only)
         if reply.status != OK and self.error_feedback:
             self.residuals.pop(fragment, None) if before is None else self.residuals.__setitem__(fragment, before)
         self.exchanges += 1
-        return SyncResult(decode_reply(old_global, reply), len(message or b""), reply.nbytes, reply.status,
-                          reply.version)
+        alloc = None if self.buffers is None else self.buffers.take
+        return SyncResult(decode_reply(old_global, reply, alloc=alloc), len(message or b""), reply.nbytes,
+                          reply.status, reply.version)
 
     def residual_state(self) -> dict[int, np.ndarray]:
         return {f: r.numpy().copy() for f, r in self.residuals.items()}
@@ -150,6 +154,7 @@ class Replica:
         for f, g in enumerate(driver.opt.global_params()):
             self.sync.load_global(f, g, driver.versions[f])
         self.transport = MemoryTransport(driver, m, fmt, error_feedback)
+        self.transport.buffers = self.sync.buffers
         self.sync.attach(schedule, self.transport)
 
     def _on_reset(self) -> None:
@@ -218,22 +223,55 @@ def _unflatten(params: dict[str, torch.Tensor], f: int, flat: torch.Tensor) -> N
 @pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha):
-    """Streaming fragments (4, strided), tau 2, a closing round at T=40: both replicas hold
+    """Streaming fragments (4, strided), tau 2, a closing round at T=64: both replicas hold
     bitwise-identical global fragments, equal to the driver's and to a direct replay with
     ``OuterOptimizer``; the local parameters follow the replay too."""
-    schedule, driver, reps = _setup(tau=2, T=40, alpha=alpha, fmt=fmt)
-    _lockstep(reps, 0, 40)
+    schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt)
+    _lockstep(reps, 0, 36)
+    made, rounds = [r.sync.buffers.allocated for r in reps], sum(driver.versions)
+    _lockstep(reps, 36, 60)  # every fragment syncs twice more; the closing round at 64 needs more at once
+    steady = sum(driver.versions) - rounds, [r.sync.buffers.allocated for r in reps]
+    _lockstep(reps, 60, 64)
     assert all(r.sync.settle() == 0 for r in reps)
     glob, locals_, opt = _replay(schedule, alpha, fmt)
     for f in range(len(FRAGMENTS)):
         a, b = (r.sync.global_fragment(f) for r in reps)
         assert np.array_equal(a, b) and np.array_equal(a, driver.opt.params[f].numpy())
         assert np.array_equal(a, glob[f].numpy()) and np.array_equal(a, opt.params[f].numpy())
-        assert reps[0].sync.global_version[f] == driver.versions[f] >= 40 // 12
+        assert reps[0].sync.global_version[f] == driver.versions[f] >= 64 // 12
     for r, ref in zip(reps, locals_):
         assert all(torch.equal(r.params[n], ref[n]) for n in SHAPES)
     assert reps[0].sync.global_hash() == reps[1].sync.global_hash()
     assert reps[0].sync.comm.events == sum(driver.versions)  # one merge per round, counted at the merge
+    # once every fragment has synced, pseudo-gradients and decoded globals reuse buffers
+    # (SyncBuffers) instead of two new ones per round; the results above are still the replay's
+    assert steady == (2 * len(FRAGMENTS), made)
+
+
+def test_sync_buffers_reuse_only_their_own_tensors_and_keep_a_bounded_number():
+    from ray_diloco.core.sync import SyncBuffers
+
+    b = SyncBuffers()
+    x = b.take(5)
+    b.give(x)
+    assert b.take(5) is x and b.allocated == 1
+    b.give(torch.empty(5))  # not handed out by it: ignored
+    y = b.take(3)
+    assert y is not x and b.allocated == 2
+    b.give(x), b.give(x)  # the same tensor twice is kept once
+    assert b.free_bytes == 20
+    assert b.take(2) is not x and b.allocated == 3  # x is more than 25% larger: not used
+    v = b.take(4)  # served by the smallest free buffer that holds it: a view of x's start
+    assert v._base is x and v.numel() == 4 and b.free_bytes == 0
+    b.give(v), b.give(y)  # the view gives x back whole
+    assert b.free_bytes == 4 * 8 and b.take(5) is x
+    c = SyncBuffers()
+    big, six, four, three = c.take(10), c.take(6), c.take(4), c.take(3)
+    for t in (big, six, four):
+        c.give(t)
+    assert c.free_bytes == 4 * 20  # twice the largest size (10) asked for
+    c.give(three)  # over the bound: the oldest given back (the 10) goes
+    assert c.free_bytes == 4 * 13 and c.take(6) is six and c.take(10) is not big and c.allocated == 5
 
 
 def test_a_merge_happens_exactly_at_send_plus_tau():
