@@ -38,11 +38,13 @@ class Transport(Protocol):
 
     ``exchange`` starts one sync in the background and returns a ``Future[SyncResult]``:
     ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on; it may hand it back to
-    ``FragmentSync.buffers`` once sent) is given on rank 0 and
+    ``FragmentSync.buffers`` once sent, and then must not touch it) is given on rank 0 and
     None on other ranks; ``old_global`` (the global value at ``version``) does not change until
-    the future is done; ``average_only``: a closing round. With error feedback the transport
-    keeps a residual per fragment, which ``residual_state``/``load_residual_state`` checkpoint
-    (fp32 ``[numel_p]`` arrays by fragment; empty without error feedback).
+    the future is done; the result's ``new_global`` is ``old_global`` itself (nothing changed)
+    or a tensor with storage of its own; ``average_only``: a closing round. With error
+    feedback the transport keeps a residual per fragment, which ``residual_state`` /
+    ``load_residual_state`` checkpoint (fp32 ``[numel_p]`` arrays by fragment; empty without
+    error feedback).
     """
 
     def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
@@ -107,6 +109,8 @@ class SyncBuffers:
         if t is None:
             return
         base = t if t._base is None else t._base
+        if t.data_ptr() != base.data_ptr():  # a slice further in is not what take handed out
+            return
         with self._lock:
             ref = self._ours.get(id(base))
             if ref is None or ref() is not base or any(f is base for f in self._free):
@@ -309,8 +313,12 @@ class FragmentSync:
             rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
             rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
                         "merged": merged.clone()})
-        if old is not new and not any(p.fragment == e.fragment for p in self.pending):
-            self.buffers.give(old)  # no exchange reads it any more (the trace keeps clones)
+        # an exchange reads its old global only while its sync is pending (join and
+        # load_state_dict replace the globals before dropping pending syncs, so an abandoned
+        # exchange never reads a buffer given here); the trace keeps clones
+        shared = old is None or old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+        if not shared and not any(p.fragment == e.fragment for p in self.pending):
+            self.buffers.give(old)
         del old
         return waited
 

@@ -81,7 +81,9 @@ class Link:
             (``core.shards.shard_bounds``), one object per outer-optimiser shard.
         buffers: the worker's ``core.sync.SyncBuffers`` (``FragmentSync.buffers``): a sent
             pseudo-gradient's buffer goes back to it once its bytes are in the object store, and
-            a decoded or joined new global value is written into one of its buffers.
+            a new global value that needs memory of its own (K > 1 slices joined, a quantised
+            update applied) is written into one of its buffers (``none`` with K = 1 and resyncs
+            stay read-only views of the shared reply).
     """
 
     driver: Any

@@ -228,8 +228,10 @@ def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fm
     ``OuterOptimizer``; the local parameters follow the replay too."""
     schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt)
     _lockstep(reps, 0, 36)
+    [r.sync.settle() for r in reps]  # every round sent so far answered (merges stay at their step)
     made, rounds = [r.sync.buffers.allocated for r in reps], sum(driver.versions)
     _lockstep(reps, 36, 60)  # every fragment syncs twice more; the closing round at 64 needs more at once
+    [r.sync.settle() for r in reps]
     steady = sum(driver.versions) - rounds, [r.sync.buffers.allocated for r in reps]
     _lockstep(reps, 60, 64)
     assert all(r.sync.settle() == 0 for r in reps)
@@ -263,6 +265,8 @@ def test_sync_buffers_reuse_only_their_own_tensors_and_keep_a_bounded_number():
     assert b.take(2) is not x and b.allocated == 3  # x is more than 25% larger: not used
     v = b.take(4)  # served by the smallest free buffer that holds it: a view of x's start
     assert v._base is x and v.numel() == 4 and b.free_bytes == 0
+    b.give(x[1:])  # a slice further in (a joined shard's part of a live global) is not given back
+    assert b.free_bytes == 0
     b.give(v), b.give(y)  # the view gives x back whole
     assert b.free_bytes == 4 * 8 and b.take(5) is x
     c = SyncBuffers()
