@@ -1,11 +1,13 @@
 """Data benchmark (issue 15): prepare throughput and peak memory, reader throughput, start-up.
 
-    python benchmarks/data.py [--sizes-mb 100 1000] [--tokenizer bpe|PATH/tokenizer.json] [--json OUT]
+    python benchmarks/data.py [--sizes-mb 100 1000] [--tokenizer bpe|gpt2-style|PATH/tokenizer.json] [--json OUT]
 
 * corpus: the bundled Tiny Shakespeare repeated into 16 MB text files up to each size;
 * prepare: ``ray-diloco prepare`` in a subprocess; tokens/s = all tokens / wall time; peak memory =
-  the largest sum, sampled every 0.2 s, of the RSS of the prepare and every Ray process started
-  after it (Ray workers included; shared object-store pages counted once per process, an upper bound);
+  the largest sum, sampled every 2 s, of the proportional set size (PSS) of the prepare and every
+  Ray process started after it (Ray workers included; a shared page, such as torch's libraries or
+  an object-store page, counted once); ``peak_rss_sum_bytes``: the same with RSS every 0.2 s (each shared page
+  counted once per process that maps it: an upper bound);
 * reader: tokens/s of one ShardReader drawing random training windows (seq_len 2048, batch 8);
 * start-up: seconds to open a synthetic 1M- and 1B-token store and read a first batch (what a run
   does before its first inner step besides starting Ray and the model, which do not depend on the store).
@@ -49,23 +51,59 @@ def _rss() -> dict[int, int]:
     return out
 
 
+def _pss(pids) -> int:
+    """The sum of the proportional set sizes (``Pss`` of /proc/PID/smaps_rollup) of ``pids``, in
+    bytes: each shared page (libraries, object-store pages) counted once over the processes
+    that map it, so the sum is the memory these processes hold together."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def prepare(src: Path, out: Path, tokenizer: str) -> dict:
     before = set(_rss())
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "prepare", str(src), "--out", str(out),
                              "--tokenizer", tokenizer, "--no-progress"], cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak = 0
+    peak = peak_rss = 0
+    last_pss = 0.0
     while proc.poll() is None:
-        total = sum(rss for pid, rss in _rss().items() if pid not in before)
-        peak = max(peak, total)
+        rss = {pid: v for pid, v in _rss().items() if pid not in before}
+        peak_rss = max(peak_rss, sum(rss.values()))
+        if time.monotonic() - last_pss > 2.0:  # PSS walks every page table: the kernel time of a
+            peak = max(peak, _pss(rss))  # sample every 0.2 s slowed the prepare by a third
+            last_pss = time.monotonic()
         time.sleep(0.2)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(proc.stderr.read().decode()[-2000:])
     m = json.loads((out / "manifest.json").read_text())
     tokens = m["tokens"]["train"] + m["tokens"]["val"]
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "peak_memory_bytes": peak}
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "peak_memory_bytes": peak,
+            "peak_rss_sum_bytes": peak_rss}
+
+
+def gpt2_style_tokenizer(src: Path, out: Path) -> str:
+    """A Hugging Face ``tokenizer.json`` shaped like GPT-2's (byte-level BPE, 50,257 entries,
+    ``<|endoftext|>``), trained on the corpus's first 16 MB (the hub's file cannot be downloaded
+    here); ``prepare --tokenizer PATH`` loads it as it would GPT-2's."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    text = next(iter(sorted(src.glob("*.txt")))).read_text()[: 16 * 2**20]
+    tok = ByteLevelBPETokenizer(add_prefix_space=False)
+    tok.train_from_iterator([text], vocab_size=50257, min_frequency=1, special_tokens=["<|endoftext|>"])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "tokenizer.json"
+    tok.save(str(path))
+    return str(path)
 
 
 def synthetic_store(out: Path, tokens: int):
@@ -109,7 +147,8 @@ def startup_s(out: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
-    ap.add_argument("--tokenizer", default="bpe")
+    ap.add_argument("--tokenizer", default="bpe",
+                    help="bpe, char, a tokenizer.json path, or gpt2-style (a GPT-2-shaped file trained here)")
     ap.add_argument("--startup-tokens", type=int, nargs=2, default=[10**6, 10**9])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -118,7 +157,9 @@ def main() -> None:
         tmp = Path(tmp)
         for mb in a.sizes_mb:
             src = build_corpus(tmp / f"src{mb}", mb)
-            res["prepare"][mb] = prepare(src, tmp / f"store{mb}", a.tokenizer)
+            tok = gpt2_style_tokenizer(src, tmp / "gpt2-style") if a.tokenizer == "gpt2-style" else a.tokenizer
+            res["prepare"][mb] = prepare(src, tmp / f"store{mb}", tok)
+        res["tokenizer"] = a.tokenizer
         res["prepare_tokens_per_s"] = res["prepare"][a.sizes_mb[-1]]["tokens_per_s"]
         res["prepare_peak_memory_bytes"] = {mb: r["peak_memory_bytes"] for mb, r in res["prepare"].items()}
         small, big = (synthetic_store(tmp / f"syn{n}", n) for n in a.startup_tokens)
@@ -128,7 +169,8 @@ def main() -> None:
     print(f"{'figure':40s} value")
     for mb, r in res["prepare"].items():
         print(f"{f'prepare {mb} MB tokens/s':40s} {r['tokens_per_s']:,.0f}")
-        print(f"{f'prepare {mb} MB peak memory (GB)':40s} {r['peak_memory_bytes'] / 1e9:.2f}")
+        print(f"{f'prepare {mb} MB peak memory PSS (GB)':40s} {r['peak_memory_bytes'] / 1e9:.2f}")
+        print(f"{f'prepare {mb} MB peak RSS sum (GB)':40s} {r['peak_rss_sum_bytes'] / 1e9:.2f}")
     for k in ("reader_tokens_per_s", "startup_s_1m", "startup_s_1b"):
         print(f"{k:40s} {res[k]:,.3f}")
     if a.json:

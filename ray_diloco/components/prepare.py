@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import itertools
 import json
 import posixpath
 import sys
@@ -246,10 +247,11 @@ class Tokenize:
         texts = [(t or "") + ("\n" if self.lines else "") for t in texts]
         enc = self.tok.encode_batch_fast(texts, add_special_tokens=False)
         eos = [self.eos] if (self.eos is not None and not self.lines) else []
-        ids = [e.ids + eos if t else [] for e, t in zip(enc, texts)]
+        ids = [(e.ids + eos if eos else e.ids) if t else [] for e, t in zip(enc, texts)]
+        del enc
         val = np.array([zlib.crc32(t.encode()) < self.threshold for t in texts], dtype=bool)
-        lengths = np.array([len(x) for x in ids], dtype=np.int64)
-        flat = np.fromiter((i for x in ids for i in x), dtype=self.dtype, count=int(lengths.sum()))
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum()))
         mask = np.repeat(val, lengths)
         paths = batch.get("path")
         runs: list[list[Any]] = []

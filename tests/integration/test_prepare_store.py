@@ -121,6 +121,45 @@ def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
     assert np.array_equal(TokenStore(str(out)).split("val").to_array(), TokenStore(str(tmp_path / "ref")).split("val").to_array())
 
 
+@pytest.mark.slow
+def test_a_full_disk_stops_prepare_in_one_line_and_a_rerun_continues(tmp_path):
+    """A real full disk (a 300 kB tmpfs; needs root to mount, as on CI): the prepare stops with one
+    line naming the store and "disk full", writes no manifest and keeps its finished shards; once
+    there is room, a rerun continues and gives the store of one uninterrupted run."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        text = SHAKESPEARE.read_text()
+        for i in range(8):
+            (src / f"p{i}.txt").write_text(text[i * 120000 : (i + 1) * 120000])
+        args = ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
+                "--actors", "1", "--no-progress"]
+        out = mnt / "store"
+        r = run_cli([*args, "--out", str(out)], timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and str(out) in last and "disk full" in last, last
+        assert not (out / "manifest.json").exists()
+        kept = {f.name: f.stat().st_ino for f in out.glob("train-*.bin")}
+        assert len(kept) >= 3, kept
+        assert not list(out.glob(".tmp-*"))  # the shard being written when the disk filled is not left behind
+        assert subprocess.run(["mount", "-o", "remount,size=20m", str(mnt)]).returncode == 0
+        r = run_cli([*args, "--out", str(out)], timeout=300)
+        assert r.returncode == 0 and "finished shards kept" in r.stderr, r.stderr
+        ref = run_cli([*args, "--out", str(tmp_path / "ref")], timeout=300)
+        assert ref.returncode == 0, ref.stderr
+        a, b = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "ref", out))
+        assert a["shards"] == b["shards"] and a["documents"] == b["documents"]
+        first = sorted(kept)[0]
+        assert (out / first).stat().st_ino == kept[first]  # a finished shard was kept, not rewritten
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
 def test_prepare_writes_a_store_to_s3_that_reads_back_as_the_local_one(ray_session, text_dir, tmp_path, s3_bucket):
     """``--out s3://...`` (a real S3 protocol server, moto): the shards, tokenizer and manifest land
     in the bucket, the store reads back through the remote reader with the same id and tokens as
