@@ -197,10 +197,9 @@ class ReplicaWorker:
     def attach(self, driver: Any, schedule: SyncSchedule) -> None:
         """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
-        s, n = self.cfg.streaming, self.cfg.network
+        s, n, k = self.cfg.streaming, self.cfg.network, self.cfg.diloco.outer_shards
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
-                                        n.bandwidth_gbps, n.latency_ms, self.cfg.diloco.outer_shards,
-                                        buffers=self.sync.buffers))
+                                        n.bandwidth_gbps, n.latency_ms, k, self.sync.buffers))
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at

@@ -87,15 +87,21 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     assert (tmp_path / "a_file").read_text() == "keep me"
 
 
-@pytest.mark.slow
-def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
+def _many_shards_prepare(tmp_path: Path) -> list[str]:
+    """The arguments (without ``--out``) of a prepare of eight 120 kB text files into shards of
+    20,000 tokens: about 50 shards, so it can be stopped part way."""
     src = tmp_path / "src"
     src.mkdir()
     text = SHAKESPEARE.read_text()
     for i in range(8):
         (src / f"p{i}.txt").write_text(text[i * 120000 : (i + 1) * 120000])
-    args = ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
+    return ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
             "--actors", "1", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
+    args = _many_shards_prepare(tmp_path)
     ref = run_cli([*args, "--out", str(tmp_path / "ref")], timeout=300)
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "killed"
@@ -131,13 +137,7 @@ def test_a_full_disk_stops_prepare_in_one_line_and_a_rerun_continues(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        src = tmp_path / "src"
-        src.mkdir()
-        text = SHAKESPEARE.read_text()
-        for i in range(8):
-            (src / f"p{i}.txt").write_text(text[i * 120000 : (i + 1) * 120000])
-        args = ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
-                "--actors", "1", "--no-progress"]
+        args = _many_shards_prepare(tmp_path)
         out = mnt / "store"
         r = run_cli([*args, "--out", str(out)], timeout=300)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
