@@ -25,7 +25,7 @@ from ray_diloco.components.storage import Mirror, download_run, filesystem, is_u
 from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
 from ray_diloco.core.wire import communication_summary
-from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError
+from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
 from ray_diloco.models.transformer import ModelFn, pin_model_fields
 from ray_diloco.runtime.cluster import check_resources, error_cause, init_ray
 from ray_diloco.runtime.strategy import strategy_class
@@ -233,6 +233,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         if trainer.mirror is not None:
             trainer.mirror.sync(final=True)
     except ray.exceptions.RayError as e:
+        if isinstance(getattr(e, "cause", None), RayDilocoError):  # a worker's own one-line error
+            raise e.cause from None
         raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
     finally:
         with signals_deferred():  # a second Ctrl-C must not cut the clean-up short

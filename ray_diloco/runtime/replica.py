@@ -36,6 +36,7 @@ from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_pl
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
+from ray_diloco.errors import ClusterError
 from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
 from ray_diloco.runtime.link import Link, fetch_global
 
@@ -62,6 +63,19 @@ def _dp_emulation_hook(worker: "ReplicaWorker"):
         return allreduce_hook(state, bucket)
 
     return hook
+
+
+def worker_device(gpus_per_worker: float) -> tuple[torch.device, str | None]:
+    """The device a worker trains on and, when GPUs were asked for but this process's torch has
+    no CUDA, the one-line problem (reported by the worker's first call, not by training on CPU)."""
+    if gpus_per_worker <= 0:
+        return torch.device("cpu"), None
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0), None
+    return torch.device("cpu"), (
+        f"diloco.gpus_per_worker = {gpus_per_worker:g}: torch {torch.__version__} on node "
+        f"{socket.gethostname()} has no CUDA (torch.cuda.is_available() is False); install a CUDA build "
+        "of torch on the GPU nodes, or set diloco.gpus_per_worker=0 to train on CPUs")
 
 
 def _free_port() -> int:
@@ -105,12 +119,10 @@ class ReplicaWorker:
         self.replica, self.rank, self.world_size = replica, rank, world_size
         self.shard, self.num_shards = shard, num_shards
         self.allreduce_emulation = allreduce_emulation
-        threads = max(1, int(self.cfg.diloco.cpus_per_worker or 1))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, int(self.cfg.diloco.cpus_per_worker or 1)))
         if self.cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
-        use_cuda = self.cfg.diloco.gpus_per_worker > 0 and torch.cuda.is_available()
-        self.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+        self.device, self.device_problem = worker_device(self.cfg.diloco.gpus_per_worker)
         self.model = build_model(self.cfg, vocab_size, model_fn).to(self.device)
         self.shape = resolve_model_shape(self.cfg.model, vocab_size)
         self.z_loss = float(self.shape["z_loss"])
@@ -141,8 +153,10 @@ class ReplicaWorker:
         """Join the replica's process group (if world_size > 1), wrap in DDP, open the data shard.
 
         ``train_tokens``/``val_tokens`` (int32 ``[n]``) arrive from the object store (zero-copy).
-        Raises ``RuntimeError`` (from torch) when the rendezvous times out (``pg_timeout_s``).
-        """
+        Raises ``RuntimeError`` (from torch) when the rendezvous times out (``pg_timeout_s``),
+        ``ClusterError`` when GPUs were asked for and torch has no CUDA (``worker_device``)."""
+        if self.device_problem:
+            raise ClusterError(self.device_problem)
         if self.world_size > 1:
             import torch.distributed as dist
 

@@ -341,3 +341,25 @@ def test_export_replaces_what_is_at_final_and_leaves_no_temporary(tmp_path):
     assert [p.name for p in out.iterdir()] == ["model.pt"]
     state = torch.load(out / "model.pt", weights_only=True)
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_gpus_asked_for_without_cuda_stop_the_worker_in_one_line(ray_session):
+    """``diloco.gpus_per_worker`` > 0 where torch has no CUDA (a CPU build on a GPU node): the
+    worker's setup raises a ClusterError naming the field and the fix (the launcher prints it as
+    the run's one error line), instead of training on CPU."""
+    from ray_diloco.errors import ClusterError
+    from ray_diloco.runtime.replica import ReplicaWorkerActor, worker_device
+
+    ray = ray_session
+    assert worker_device(0) == (torch.device("cpu"), None)
+    cfg = load_config({"diloco": {"gpus_per_worker": 1}}).to_dict()
+    w = ReplicaWorkerActor.options(num_cpus=0).remote(cfg, 0, 0, 1, 0, 1, 65)  # no GPU resource: Ray would wait
+    tokens = np.zeros(4096, np.int32)
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        ray.get(w.setup.remote(None, tokens, tokens))
+    cause = e.value.cause
+    assert isinstance(cause, ClusterError) and len(str(cause).splitlines()) == 1
+    assert str(cause).startswith("diloco.gpus_per_worker = 1: torch ") and "has no CUDA" in str(cause)
+    assert "diloco.gpus_per_worker=0" in str(cause)
+    ray.kill(w)
