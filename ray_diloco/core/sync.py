@@ -74,9 +74,9 @@ class SyncBuffers:
     bytes are in the object store and may take one for the value it decodes; the training
     thread gives the old global value back at the merge. A request is served by the smallest
     free buffer that holds it and is at most 25% larger (a view of its first ``numel`` values),
-    so streaming fragments of about the same size share buffers. Free buffers are kept up to twice the largest
-    size asked for (the oldest given back go first). Thread-safe. Only tensors this object
-    handed out are taken back (by identity); anything else given is ignored.
+    so streaming fragments of about the same size share buffers. Free buffers are kept up to
+    twice the largest size asked for (the oldest given back go first). Thread-safe. Only
+    tensors this object handed out are taken back (by identity); anything else given is ignored.
     """
 
     def __init__(self):

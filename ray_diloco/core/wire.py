@@ -33,12 +33,18 @@ from ray_diloco.core.quantize import (decode, encode, from_message, message_nbyt
 Message = Any
 
 
+def is_raw(message: Message) -> bool:
+    """Whether ``message`` is a raw fp32 array (a ``none`` message sent as the values themselves),
+    not framed bytes."""
+    return isinstance(message, np.ndarray) and message.dtype == np.float32
+
+
 def message_size(message: Message | None) -> int:
     """Bytes a message counts for on the wire (0 for None); a raw fp32 array counts as its framed
     ``none`` message would."""
     if message is None:
         return 0
-    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+    if is_raw(message):
         return message_nbytes(message.size, "none")
     return len(message)
 
@@ -76,7 +82,7 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
     Raises:
         ValueError: malformed message.
     """
-    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+    if is_raw(message):
         return "none", message.reshape(-1)
     packed = from_message(message)
     return packed.format, decode(packed)
@@ -228,7 +234,7 @@ def message_numel(message: Message) -> int:
 
     Raises:
         ValueError: malformed framed message."""
-    if isinstance(message, np.ndarray) and message.dtype == np.float32:
+    if is_raw(message):
         return message.size
     return from_message(message).numel
 
@@ -269,7 +275,7 @@ def decode_reply(old_global: torch.Tensor, reply: Reply,
         if fmt != "none" or values.size != n_all:
             raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {n_all}")
         return as_tensor(values) if isinstance(reply.message, np.ndarray) else torch.from_numpy(values)
-    if isinstance(reply.message, np.ndarray) and reply.message.dtype == np.float32:
+    if is_raw(reply.message):
         return apply_downlink(old_global, reply.message)  # a view: nothing allocated
     return apply_downlink(old_global, reply.message, out=_new(alloc, n_all))
 
