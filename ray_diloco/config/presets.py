@@ -18,32 +18,47 @@ if TYPE_CHECKING:
 PresetName = Literal["tiny", "cpu-small", "cpu-medium", "35m", "90m", "180m", "335m", "550m", "1.3b", "2.4b",
                      "4b", "10b"]
 
-# name: (family, layers, heads, d_model, d_ff, context, z_loss)
-PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {
-    "tiny": ("gpt2", 4, 4, 128, 512, 64, 0.0),  # nanoGPT's CPU baby GPT (FFN 4 x 128)
-    "cpu-small": ("llama", 6, 6, 192, 512, 128, 0.0),
-    "cpu-medium": ("llama", 8, 8, 256, 704, 256, 0.0),
-    # Scaling Laws for DiLoCo (arXiv 2503.09799), section 3: QK-norm, z-loss 1e-4, seq 2048.
-    "35m": ("qwen3", 6, 8, 512, 2048, 2048, 1e-4),
-    "90m": ("qwen3", 9, 12, 768, 3072, 2048, 1e-4),
-    "180m": ("qwen3", 12, 16, 1024, 4096, 2048, 1e-4),
-    "335m": ("qwen3", 15, 20, 1280, 5120, 2048, 1e-4),
-    "550m": ("qwen3", 18, 24, 1536, 6144, 2048, 1e-4),
-    "1.3b": ("qwen3", 24, 32, 2048, 8192, 2048, 1e-4),
-    "2.4b": ("qwen3", 30, 40, 2560, 10240, 2048, 1e-4),
-    "4b": ("qwen3", 36, 48, 3072, 12288, 2048, 1e-4),
-    "10b": ("qwen3", 48, 64, 4096, 16384, 2048, 1e-4),
+Row = tuple[str, int, int, int, int, int, float, bool]
+
+#: The paper's FFN width (a two-matrix MLP) of each scaling-law size (arXiv 2503.09799, section 3).
+PAPER_FFN: dict[str, int] = {"35m": 2048, "90m": 3072, "180m": 4096, "335m": 5120, "550m": 6144, "1.3b": 8192,
+                             "2.4b": 10240, "4b": 12288, "10b": 16384}
+
+
+def swiglu_width(ffn: int) -> int:
+    """The SwiGLU width with the parameters of a two-matrix MLP of width ``ffn``: 2/3 of it,
+    rounded to a multiple of 128."""
+    return round(ffn * 2 / 3 / 128) * 128
+
+
+# name: (family, layers, heads, d_model, d_ff, context, z_loss, tie_embeddings)
+PRESETS: dict[str, Row] = {
+    "tiny": ("gpt2", 4, 4, 128, 512, 64, 0.0, False),  # nanoGPT's CPU baby GPT (FFN 4 x 128)
+    "cpu-small": ("llama", 6, 6, 192, 512, 128, 0.0, False),
+    "cpu-medium": ("llama", 8, 8, 256, 704, 256, 0.0, False),
+    # Scaling Laws for DiLoCo (arXiv 2503.09799), section 3: QK-norm, z-loss 1e-4, seq 2048, tied embeddings.
+    **{name: ("qwen3", layers, heads, d, swiglu_width(PAPER_FFN[name]), 2048, 1e-4, True)
+       for name, (layers, heads, d) in {"35m": (6, 8, 512), "90m": (9, 12, 768), "180m": (12, 16, 1024),
+                                        "335m": (15, 20, 1280), "550m": (18, 24, 1536), "1.3b": (24, 32, 2048),
+                                        "2.4b": (30, 40, 2560), "4b": (36, 48, 3072),
+                                        "10b": (48, 64, 4096)}.items()},
 }
 
 #: What a preset meant before 2026-12-01, for runs recorded then: their config left the shape
-#: fields None (the preset's), and `tiny` was a llama-family model. See :func:`pin_model_fields`.
-LEGACY_PRESETS: dict[str, tuple[str, int, int, int, int, int, float]] = {"tiny": ("llama", 4, 4, 128, 352, 64, 0.0)}
-SHAPE_FIELDS = ("family", "n_layers", "n_heads", "d_model", "d_ff", "context", "z_loss")
+#: fields None (the preset's): `tiny` was a llama-family model, and the scaling-law sizes had the
+#: paper's FFN as a SwiGLU width with untied embeddings (1.3-1.7x their names' parameters; until
+#: 2026-12-02, when runs already pinned every field but ``tie_embeddings``, False then by default).
+#: See :func:`pin_model_fields`.
+LEGACY_PRESETS: dict[str, Row] = {
+    "tiny": ("llama", 4, 4, 128, 352, 64, 0.0, False),
+    **{name: PRESETS[name][:4] + (ffn, 2048, 1e-4, False) for name, ffn in PAPER_FFN.items()},
+}
+SHAPE_FIELDS = ("family", "n_layers", "n_heads", "d_model", "d_ff", "context", "z_loss", "tie_embeddings")
 
 
 def pin_model_fields(cfg: ModelConfig, recorded_before_pinning: bool = False) -> ModelConfig:
     """Fill each shape field of ``cfg`` left ``None`` (family, layers, heads, width, FFN, context,
-    z-loss) with its preset's value, in place, and return ``cfg``.
+    z-loss, tied embeddings) with its preset's value, in place, and return ``cfg``.
 
     A run pins its config before it starts, so its ``config.yaml`` and checkpoints record the
     model actually trained, whatever later versions make of the preset. A config recorded before
@@ -65,4 +80,4 @@ def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     preset = dict(zip(SHAPE_FIELDS, PRESETS[cfg.preset]))
     shape = {k: preset[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in SHAPE_FIELDS}
     return {**shape, "vocab_size": vocab_size if cfg.vocab_size is None else cfg.vocab_size,
-            "init_std": cfg.init_std, "tie_embeddings": cfg.tie_embeddings}
+            "init_std": cfg.init_std}

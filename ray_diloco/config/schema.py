@@ -51,7 +51,8 @@ class ModelConfig:
     preset: PresetName = "tiny"
     """Size preset: ``tiny`` (nanoGPT's CPU baby GPT: gpt2 family, 4 layers, 4 heads, 128 wide, FFN 512,
     context 64), ``cpu-small``, ``cpu-medium`` (llama), and the sizes of Scaling Laws for DiLoCo
-    (arXiv 2503.09799, section 3) ``35m`` ... ``10b`` (qwen3, context 2048, z-loss 1e-4)."""
+    (arXiv 2503.09799, section 3) ``35m`` ... ``10b`` (qwen3, context 2048, z-loss 1e-4, tied embeddings,
+    SwiGLU width 2/3 of the paper's FFN: the names' parameter counts at a 32768 vocabulary)."""
     family: Family | None = None
     """``gpt2`` (nanoGPT's GPT: learned positions, LayerNorm, GELU MLP), ``llama`` (RoPE, RMSNorm, SwiGLU)
     or ``qwen3`` (llama plus QK-norm); None: the preset's."""
@@ -71,8 +72,9 @@ class ModelConfig:
     """z-loss coefficient (arXiv 2503.09799, section 3); None: the preset's (1e-4 for the paper's sizes)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of the weights."""
-    tie_embeddings: bool = False
-    """Share the input embedding matrix with the LM head."""
+    tie_embeddings: bool | None = None
+    """Share the input embedding matrix with the LM head; None: the preset's (True for the scaling-law
+    sizes, as in the paper, False for ``tiny``, ``cpu-small``, ``cpu-medium``)."""
 
 
 @dataclass

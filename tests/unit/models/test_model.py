@@ -53,13 +53,32 @@ def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(fam
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-def test_scaling_law_presets_match_the_paper_table():
+def test_scaling_law_presets_match_the_paper_table_and_their_names_parameters():
+    """Layers, heads and width are the paper's (arXiv 2503.09799, section 3); the SwiGLU width is 2/3
+    of its FFN (rounded to 128), embeddings tied: at its 32768 vocabulary each size has its name's
+    parameters within 5% (before 2026-12-02 they were 1.3-1.7x: ``1.3b`` had 1.75B)."""
     table = {"35m": (6, 8, 512, 2048), "90m": (9, 12, 768, 3072), "180m": (12, 16, 1024, 4096),
              "335m": (15, 20, 1280, 5120), "550m": (18, 24, 1536, 6144), "1.3b": (24, 32, 2048, 8192),
              "2.4b": (30, 40, 2560, 10240), "4b": (36, 48, 3072, 12288), "10b": (48, 64, 4096, 16384)}
-    for name, dims in table.items():
-        fam, layers, heads, d, ff, ctx, z = PRESETS[name]
-        assert (layers, heads, d, ff) == dims and fam == "qwen3" and z == 1e-4 and ctx == 2048
+    for name, (layers_, heads_, d_, ffn) in table.items():
+        fam, layers, heads, d, ff, ctx, z, tied = PRESETS[name]
+        assert (layers, heads, d) == (layers_, heads_, d_) and fam == "qwen3" and z == 1e-4 and ctx == 2048 and tied
+        assert ff % 128 == 0 and abs(ff - 2 * ffn / 3) <= 64
+        shape = resolve_model_shape(ModelConfig(preset=name), vocab_size=32768)
+        with torch.device("meta"):
+            n = count_parameters(build_transformers_model(shape))
+        named = float(name[:-1]) * (1e9 if name.endswith("b") else 1e6)
+        assert abs(n / named - 1) < 0.05, (name, n)
+
+
+def test_a_run_recorded_before_the_presets_were_honest_keeps_its_model():
+    from ray_diloco.config.presets import pin_model_fields
+
+    old = pin_model_fields(ModelConfig(preset="1.3b"), recorded_before_pinning=True)
+    assert (old.d_ff, old.tie_embeddings) == (8192, False)
+    new = pin_model_fields(ModelConfig(preset="1.3b"))
+    assert (new.d_ff, new.tie_embeddings) == (5504, True)
+    assert pin_model_fields(ModelConfig(preset="35m", tie_embeddings=False)).tie_embeddings is False
 
 
 def test_qwen3_has_qk_norm_and_overrides_win():
