@@ -134,6 +134,10 @@ class InnerConfig:
     global_batch: int = 12
     """Sequences per inner step, summed over all replicas and workers (divisible by
     ``diloco.replicas x diloco.workers_per_replica``)."""
+    micro_batch: int | None = None
+    """Sequences per forward/backward pass on one worker: the worker's share of the global batch is
+    accumulated over ``batch_per_worker / micro_batch`` passes (gradient accumulation; DDP reduces once,
+    on the last); must divide it. None: one pass of the whole share."""
 
 
 @dataclass
@@ -273,6 +277,11 @@ class RunConfig:
     """torch deterministic algorithms: a bitwise-reproducible resume."""
     precision: Precision = "fp32"
     """``fp32`` or ``bf16`` (autocast; the outer state stays fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in the backward pass instead of keeping them
+    (transformers' activation checkpointing, non-reentrant): less memory, about a third more compute."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (on GPUs; on CPU it needs a C++ compiler)."""
     log_hashes: bool = False
     """Log the sha256 of the global parameters, the outer state and the data read, per outer step."""
     trace_syncs: bool = False
@@ -346,6 +355,12 @@ class Config:
     def batch_per_worker(self) -> int:
         """Sequences per inner step on one worker (global batch split across M x workers)."""
         return self.inner.global_batch // (self.diloco.replicas * self.diloco.workers_per_replica)
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward pass on one worker: ``inner.micro_batch``, or the whole
+        :attr:`batch_per_worker` when it is None."""
+        return self.inner.micro_batch or self.batch_per_worker
 
     @property
     def block_fragments(self) -> int:

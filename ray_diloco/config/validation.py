@@ -108,6 +108,11 @@ def _check_inner(cfg: Config, e: list[str]) -> None:
             f"inner.global_batch = {i.global_batch}: must be divisible by diloco.replicas x "
             f"diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {workers}"
         )
+    elif i.micro_batch is not None and i.global_batch >= 1 and workers >= 1:
+        share = i.global_batch // workers
+        _need(e, 1 <= i.micro_batch <= share and share % i.micro_batch == 0, "inner.micro_batch", i.micro_batch,
+              f"must divide a worker's share of the batch, inner.global_batch / (diloco.replicas x "
+              f"diloco.workers_per_replica) = {share} (or none: one pass of it)")
 
 
 def _check_outer(cfg: Config, e: list[str]) -> None:

@@ -123,9 +123,12 @@ def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None) -
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (norm gains and biases are not decayed)."""
+    """AdamW with weight decay on matrices only (norm gains and biases are not decayed); the fused
+    CUDA kernel when the parameters are on a GPU (torch's default, for-each, on CPU)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     i = cfg.inner
     groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps)
+    fused = True if next(model.parameters()).is_cuda else None
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps,
+                             fused=fused)

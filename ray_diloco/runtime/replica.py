@@ -6,8 +6,11 @@ through a ``TCPStore`` on rank 0 and train with DDP; all ranks of a replica hold
 parameters and inner-optimiser state. Rank 0 computes the replica's pseudo-gradient.
 
 The inner loop (DiLoCo, arXiv 2311.08105, Algorithm 1 lines 4-7): AdamW with the lr a pure
-function of the global inner step (warmup + cosine), gradient clipping, bf16 autocast optional;
-the AdamW state is kept across outer steps, never reset or averaged. The fragment syncs (send,
+function of the global inner step (warmup + cosine), gradient clipping, bf16 autocast optional,
+gradient accumulation over micro-batches, activation checkpointing and ``torch.compile`` optional;
+the AdamW state is kept across outer steps, never reset or averaged. The loss stays on the
+device and is read once per ``train`` call. Every state that leaves a worker (checkpoint, a
+joiner's inner state, fragments) is on the host. The fragment syncs (send,
 overlap, merge, checkpointed syncs in flight) are ``core.sync.FragmentSync``, driven here after
 every inner step through a :class:`~ray_diloco.runtime.link.Link`.
 """
@@ -36,7 +39,7 @@ from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_pl
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
-from ray_diloco.errors import ClusterError
+from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
 from ray_diloco.runtime.link import Link, fetch_global
 
@@ -78,6 +81,71 @@ def worker_device(gpus_per_worker: float) -> tuple[torch.device, str | None]:
         "of torch on the GPU nodes, or set diloco.gpus_per_worker=0 to train on CPUs")
 
 
+def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[torch.nn.Module, torch.device,
+                                                                              Exception | None]:
+    """The worker's model on its device (``torch.cuda.set_device`` first on a GPU), with
+    ``run.activation_checkpointing`` (transformers' non-reentrant activation checkpointing of every
+    decoder block), and the problem the worker's ``setup`` reports: ``ClusterError`` (GPUs asked
+    for, no CUDA) or ``ConfigError`` (activation checkpointing of a model without it)."""
+    device, device_problem = worker_device(cfg.diloco.gpus_per_worker)
+    problem: Exception | None = ClusterError(device_problem) if device_problem else None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = build_model(cfg, vocab_size, model_fn).to(device)
+    if cfg.run.activation_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+            problem = problem or ConfigError([f"run.activation_checkpointing = true: the model ({type(model).__name__}) "
+                                              "has no transformers activation checkpointing; set it to false"])
+        else:
+            enable({"use_reentrant": False})
+    return model, device, problem
+
+
+def to_host(obj: Any) -> Any:
+    """A copy of a (nested dict/list/tuple) state with every tensor detached and copied to host
+    memory (what leaves a worker: the job's process may have no GPU). Other values are deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def accumulate_gradients(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, z_loss: float,
+                         autocast: Any, device: torch.device) -> torch.Tensor:
+    """Forward and backward of the batch ``x``, ``y`` (int64 ``[B, T]``, host) in passes of
+    ``micro`` sequences (``micro`` divides B); each pass's loss is scaled by ``micro / B`` so the
+    accumulated gradient is the whole batch's. A DDP ``net`` reduces gradients on the last pass only.
+    Returns the batch's mean cross-entropy (nats/token), a fp32 scalar on ``device``."""
+    n = x.shape[0] // micro
+    ce_sum = None
+    for j in range(n):
+        xm, ym = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
+        quiet = net.no_sync() if n > 1 and j < n - 1 and hasattr(net, "no_sync") else nullcontext()
+        with quiet:
+            with autocast():
+                logits = logits_of(net(xm.to(device, non_blocking=True)))
+            loss, ce = lm_loss(logits, ym.to(device, non_blocking=True), z_loss)
+            (loss / n if n > 1 else loss).backward()
+        ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
+    return ce_sum / n if n > 1 else ce_sum
+
+
+def _init_group(master: tuple[str, int], rank: int, world_size: int, device: torch.device, timeout_s: float) -> bool:
+    """Join the replica's ``torch.distributed`` group (gloo on CPU, NCCL on a GPU) through the
+    TCPStore of rank 0 at ``master`` (host, port). Returns True."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master[0], master[1], world_size, is_master=rank == 0, timeout=timeout)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return True
+
+
 def _free_port() -> int:
     """A TCP port free on this node now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -87,11 +155,11 @@ def _free_port() -> int:
 
 def _mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     """The mean of a fp64 scalar over the ``world_size`` ranks of the replica's process group
-    (1: no group, the value itself)."""
+    (1: no group, the value itself). ``value`` is on the group's device (gloo: CPU, NCCL: the GPU)."""
     if world_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(value)  # gloo/nccl; float64 on CPU only for gloo
+        dist.all_reduce(value)
         value /= world_size
     return float(value)
 
@@ -122,8 +190,7 @@ class ReplicaWorker:
         torch.set_num_threads(max(1, int(self.cfg.diloco.cpus_per_worker or 1)))
         if self.cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.device, self.device_problem = worker_device(self.cfg.diloco.gpus_per_worker)
-        self.model = build_model(self.cfg, vocab_size, model_fn).to(self.device)
+        self.model, self.device, self.problem = worker_model(self.cfg, vocab_size, model_fn)
         self.shape = resolve_model_shape(self.cfg.model, vocab_size)
         self.z_loss = float(self.shape["z_loss"])
         self.specs = param_specs(self.model)
@@ -154,24 +221,20 @@ class ReplicaWorker:
 
         ``train_tokens``/``val_tokens`` (int32 ``[n]``) arrive from the object store (zero-copy).
         Raises ``RuntimeError`` (from torch) when the rendezvous times out (``pg_timeout_s``),
-        ``ClusterError`` when GPUs were asked for and torch has no CUDA (``worker_device``)."""
-        if self.device_problem:
-            raise ClusterError(self.device_problem)
+        ``ClusterError`` when GPUs were asked for and torch has no CUDA (``worker_device``),
+        ``ConfigError`` when the model cannot checkpoint activations."""
+        if self.problem is not None:
+            raise self.problem
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            timeout = timedelta(seconds=self.cfg.diloco.pg_timeout_s)
-            host, port = master
-            store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=timeout)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
-            self.group = True
+            self.group = _init_group(master, self.rank, self.world_size, self.device, self.cfg.diloco.pg_timeout_s)
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(self.model, device_ids=[0] if self.device.type == "cuda" else None)
             net = self.cfg.network
             if self.allreduce_emulation and (net.bandwidth_gbps or net.latency_ms):
                 self.net.register_comm_hook(None, _dp_emulation_hook(self))
+        if self.cfg.run.compile:
+            self.net = torch.compile(self.net)
         self.reader = ShardReader(train_tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
@@ -226,8 +289,8 @@ class ReplicaWorker:
         self.sync.reset_to_global()
 
     def inner_optimizer_state(self) -> dict[str, Any]:
-        """A copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
-        return copy.deepcopy(self.optimizer.state_dict())
+        """A host copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
+        return to_host(self.optimizer.state_dict())
 
     def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
              peer_state: list[Any] | None = None, shard: int | None = None) -> tuple[str, str]:
@@ -278,24 +341,21 @@ class ReplicaWorker:
         return nullcontext()
 
     def _inner_step(self, step: int, digest: Any) -> tuple[float, torch.Tensor]:
-        """One AdamW step at global inner step ``step``; returns its lr and the batch's mean
-        cross-entropy (fp64 CPU scalar). The (epoch, window) pairs read go into ``digest``."""
+        """One AdamW step at global inner step ``step`` (gradients accumulated over micro-batches);
+        returns its lr and the batch's mean cross-entropy (fp32 scalar on the device). The (epoch,
+        window) pairs read go into ``digest``."""
         i = self.cfg.inner
         lr = inner_lr(step, i.lr, i.warmup_steps, self.cfg.run.steps, i.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         x, y, idx = self.reader.next_batch(self.cfg.batch_per_worker)
         digest.update(idx.tobytes())
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with self._autocast():
-            logits = logits_of(self.net(x))
-        loss, ce = lm_loss(logits, y, self.z_loss)
-        loss.backward()
+        ce = accumulate_gradients(self.net, x, y, self.cfg.micro_batch, self.z_loss, self._autocast, self.device)
         if i.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), i.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return lr, ce.detach().to("cpu", torch.float64)
+        return lr, ce
 
     def train(self, start: int, end: int) -> dict[str, Any]:
         """Inner steps ``start .. end-1`` (global inner-step numbers) on this worker's shard.
@@ -303,7 +363,7 @@ class ReplicaWorker:
         Returns the round's metrics: mean train loss (nats/token, averaged over ranks), last lr,
         tokens (this replica), inner-compute seconds and a sha256 of the (epoch, window) pairs read.
         """
-        total_loss = torch.zeros((), dtype=torch.float64)
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         digest = hashlib.sha256()
         self.net.train()
         t_begin = time.perf_counter()
@@ -368,8 +428,10 @@ class ReplicaWorker:
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
         state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
                  "torch_rng": torch.get_rng_state(), **self.sync.state_dict(residuals=full)}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if full:
-            state["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+            state["optimizer"] = to_host(self.optimizer.state_dict())
             state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
         return state
 
@@ -386,6 +448,8 @@ class ReplicaWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.sync.load_state_dict(state)
 
     def shutdown(self) -> None:

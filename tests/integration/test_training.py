@@ -160,18 +160,24 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     assert out.shape == (1, 13)
 
 
-def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus):
+@pytest.mark.parametrize("micro_batch", [None, 1])
+def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus, micro_batch):
+    """Also with gradient accumulation (``inner.micro_batch`` 1 of a share of 2: DDP skips the
+    all-reduce of the first pass, reduces on the last; a rank that skipped it would diverge)."""
     import ray
 
-    cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2, run__steps=10))
+    cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2, run__steps=10,
+                                     inner__micro_batch=micro_batch))
     t = start_trainer(cfg, corpus, torch_lm)
     try:
         t.outer_step(1)
         w = t.replicas[0].workers
         h = ray.get([x.params_hash.remote() for x in w])
         assert h[0] == h[1]
-        digests = [m["data_digest"] for m in ray.get([x.train.remote(5, 6) for x in w])]
+        digests = [m["data_digest"] for m in ray.get([x.train.remote(5, 7) for x in w])]
         assert digests[0] != digests[1]  # each rank reads its own shard
+        h = ray.get([x.params_hash.remote() for x in w])  # inner steps, no merge: DDP's all-reduce alone
+        assert h[0] == h[1]
     finally:
         t.shutdown()
 
