@@ -22,21 +22,22 @@ from ray_diloco.models.transformer import lm_loss, logits_of
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, windows: np.ndarray,
                   batch: int, autocast=nullcontext) -> tuple[float, int]:
     """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
-    ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``)."""
+    ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``). The sum
+    stays on the model's device (fp64) and is read once at the end."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for s in range(0, len(windows), batch):
         x, y = val_batch(tokens, seq_len, windows[s : s + batch])
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
             logits = logits_of(model(x))
         _, ce = lm_loss(logits, y, 0.0)
-        total += float(ce) * y.numel()
+        total += ce.double() * y.numel()
         count += y.numel()
     model.train(was_training)
-    return total, count
+    return float(total), count
 
 
 def _tokenizer(run_dir: Path):
