@@ -25,6 +25,7 @@ TrackingMode = Literal["auto", "online", "offline", "disabled"]
 Pattern = Literal["strided", "sequential"]
 ClosingRound = Literal["average", "outer", "none"]
 JoinInnerState = Literal["peer", "fresh"]
+ReplicaNodes = Literal["one", "several"]
 #: Wire formats; a format's id in the wire message is its index here (:mod:`ray_diloco.core.quantize`).
 QuantFormat = Literal["none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0"]
 
@@ -36,6 +37,7 @@ TRACKING_MODES: tuple[str, ...] = typing.get_args(TrackingMode)
 PATTERNS: tuple[str, ...] = typing.get_args(Pattern)
 CLOSING_ROUNDS: tuple[str, ...] = typing.get_args(ClosingRound)
 JOIN_INNER_STATES: tuple[str, ...] = typing.get_args(JoinInnerState)
+REPLICA_NODES: tuple[str, ...] = typing.get_args(ReplicaNodes)
 QUANTIZATION_FORMATS: tuple[str, ...] = typing.get_args(QuantFormat)
 PRESET_NAMES: tuple[str, ...] = typing.get_args(PresetName)
 
@@ -175,7 +177,15 @@ class DiLoCoConfig:
     gpus_per_worker: float = 0
     """GPUs per worker (CUDA and NCCL when > 0)."""
     placement_timeout_s: float = 120.0
-    """Seconds to wait for the replicas' placement groups."""
+    """Seconds to wait for the replicas' placement groups (and, with ``wait_for_nodes``, for the nodes)."""
+    wait_for_nodes: bool = False
+    """The cluster autoscales (``ray up`` with ``min_workers: 0`` GPU node types, KubeRay): when it has too
+    few CPUs/GPUs at start, ask the autoscaler for the workers' bundles (``request_resources``) and wait up
+    to ``placement_timeout_s`` for them instead of stopping at once. Set ``cpus_per_worker`` with it."""
+    replica_nodes: ReplicaNodes = "one"
+    """Where a replica's workers run: ``one`` node (a STRICT_PACK placement group: DDP traffic stays inside
+    the node) or ``several`` (PACK: as few nodes as possible, for a replica larger than a node; NCCL then
+    crosses the network between them)."""
     pg_timeout_s: float = 300.0
     """torch.distributed collective / rendezvous timeout, in seconds."""
     min_replicas: int = 1

@@ -19,6 +19,7 @@ from ray_diloco.config.schema import (
     CLOSING_ROUNDS,
     FAMILIES,
     JOIN_INNER_STATES,
+    REPLICA_NODES,
     MAX_STEPS,
     OUTER_OPTIMIZERS,
     PATTERNS,
@@ -86,6 +87,7 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
     if cfg.algorithm == "dp" and d.spare_replicas:
         e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
     _one_of(e, "diloco.join_inner_state", d.join_inner_state, JOIN_INNER_STATES)
+    _one_of(e, "diloco.replica_nodes", d.replica_nodes, REPLICA_NODES)
     if cfg.algorithm == "dp" and (d.max_replicas or d.replicas) != d.replicas:
         e.append(f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
                  "(the DP baseline is one fixed DDP group)")

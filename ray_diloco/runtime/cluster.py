@@ -2,8 +2,9 @@
 stopping the replicas (placement groups + worker actors + their process groups).
 
 A replica is ``workers_per_replica`` :class:`~ray_diloco.runtime.replica.ReplicaWorker` actors in one
-STRICT_PACK placement group (same node: DDP traffic stays local); the DP baseline puts all
-``M x W`` workers in one PACK group that forms a single DDP group.
+STRICT_PACK placement group (same node: DDP traffic stays local), or a PACK one when it may span
+nodes (``diloco.replica_nodes: several``); the DP baseline puts all ``M x W`` workers in one PACK
+group that forms a single DDP group.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -109,8 +111,16 @@ def init_ray(cfg: Config) -> bool:
 MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out
 
 
+def replica_strategy(cfg: Config) -> str:
+    """The placement strategy of a DiLoCo replica's group: STRICT_PACK (one node) or, with
+    ``diloco.replica_nodes: several``, PACK (as few nodes as possible)."""
+    return "PACK" if cfg.diloco.replica_nodes == "several" else "STRICT_PACK"
+
+
 def check_resources(cfg: Config) -> float:
-    """Fail before starting anything when the cluster cannot host every worker at once.
+    """Fail before starting anything when the cluster cannot host every worker at once; with
+    ``diloco.wait_for_nodes`` ask the autoscaler for the workers' bundles first and wait up to
+    ``diloco.placement_timeout_s`` for the cluster to have them (checked every 2 s).
 
     Returns the CPUs per worker: ``diloco.cpus_per_worker`` when set, else the cluster's CPUs
     shared evenly (whole CPUs when there are enough, else a fraction of at least 0.5).
@@ -118,12 +128,41 @@ def check_resources(cfg: Config) -> float:
     Raises:
         ClusterError: naming the fields, their product and the cluster's CPUs/GPUs.
     """
+    import time
+
     import ray
 
     d = cfg.diloco
     if HOST_PLACEMENT_GROUP is not None:  # a Tune trial: its bundles were sized from this config
         return d.cpus_per_worker
-    res = ray.cluster_resources()
+    if not d.wait_for_nodes:
+        return _check_resources(cfg, ray.cluster_resources())
+    from ray.autoscaler.sdk import request_resources
+
+    n = d.replicas * d.workers_per_replica
+    request_resources(bundles=[{"CPU": d.cpus_per_worker or 1, **({"GPU": d.gpus_per_worker} if d.gpus_per_worker
+                                                                   else {})} for _ in range(n)])
+    deadline, told = time.monotonic() + d.placement_timeout_s, False
+    try:
+        while True:
+            try:
+                return _check_resources(cfg, ray.cluster_resources())
+            except ClusterError as e:
+                if time.monotonic() >= deadline:
+                    raise ClusterError(f"{e} (after waiting diloco.placement_timeout_s = {d.placement_timeout_s:g} s "
+                                       "for the autoscaler: diloco.wait_for_nodes)") from None
+                if not told:
+                    print(f"note: waiting up to {d.placement_timeout_s:g} s for the autoscaler to add nodes ({e})",
+                          file=sys.stderr)
+                    told = True
+                time.sleep(2.0)
+    finally:  # the request persists until replaced; the replicas' placement groups hold the nodes from now on
+        request_resources(bundles=[])
+
+
+def _check_resources(cfg: Config, res: dict[str, float]) -> float:
+    """:func:`check_resources` against the cluster's resources ``res`` now."""
+    d = cfg.diloco
     n = d.replicas * d.workers_per_replica
     have_cpu = res.get("CPU", 0)
     product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
@@ -301,7 +340,7 @@ def launch_replica(cfg: Config, index: int, slot: int, join_step: int) -> Replic
     :class:`ReplicaLaunch`)."""
     import time
 
-    return ReplicaLaunch(_place(cfg, index, slot, cfg.diloco.workers_per_replica, "STRICT_PACK", join_step),
+    return ReplicaLaunch(_place(cfg, index, slot, cfg.diloco.workers_per_replica, replica_strategy(cfg), join_step),
                          time.monotonic())
 
 

@@ -139,9 +139,10 @@ class DiLoCoSync(SyncStrategy):
 
     @staticmethod
     def layout(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> Layout:
-        from ray_diloco.runtime.cluster import initial_members
+        from ray_diloco.runtime.cluster import initial_members, replica_strategy
 
-        return [(m, slot, j, cfg.diloco.workers_per_replica, "STRICT_PACK") for m, slot, j in initial_members(cfg, members)]
+        return [(m, slot, j, cfg.diloco.workers_per_replica, replica_strategy(cfg))
+                for m, slot, j in initial_members(cfg, members)]
 
     @staticmethod
     def workers(cfg: Config) -> int:
