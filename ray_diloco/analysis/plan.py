@@ -9,6 +9,8 @@ equivalent (``exchange.dp_equivalent_bytes``).
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -72,7 +74,11 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
         frags = fragment_plan(cfg, specs)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    F, T, H = len(frags), cfg.run.steps, cfg.diloco.H
+    n = sum(sp.numel for sp in specs)
+    T = cfg.run.steps  # the token budget, when set, fixes them (as the run does: models.transformer.budget_steps)
+    if cfg.run.tokens_per_parameter is not None:
+        T = max(1, math.ceil(cfg.run.tokens_per_parameter * n / (cfg.inner.global_batch * cfg.data.seq_len)))
+    F, H = len(frags), cfg.diloco.H
     sched = SyncSchedule(H, F, cfg.streaming.overlap_steps, T, cfg.streaming.closing_round)
     fmt = cfg.streaming.quantization
     sends = sched.sends_between(0, T)
