@@ -12,7 +12,9 @@ One short prepared script for one GPU (about 5 minutes on an H200 with the defau
 
 Prints tokens/s, MFU (6 N + attention FLOPs per token against the GPU's dense bf16 peak), peak GPU
 memory (all processes, sampled with nvidia-smi) and the ratio; ``--json`` writes them.
-``diloco.sharding: fsdp`` is not built yet: its row is reported as owed.
+4. the same run with ``diloco.sharding=fsdp`` (2 workers per replica, FSDP2) when there are 4 GPUs
+   (NCCL cannot put two ranks of a group on one GPU; on one GPU the row says so) and in ``--smoke``
+   (gloo on CPU).
 
     python benchmarks/gpu.py [--preset 180m] [--steps 240] [--json PATH]
     python benchmarks/gpu.py --smoke          # CPU, a tiny model: checks this script (a slow test runs it)
@@ -191,6 +193,11 @@ def main() -> int:
             torch.cuda.empty_cache()
         with GpuMemory() as mem_run:
             ddp = ray_diloco_run(common, out, "ddp", steps, H)
+        fsdp, mem_fsdp = None, GpuMemory()
+        if not gpu or torch.cuda.device_count() >= 4:
+            with mem_fsdp:
+                fsdp = ray_diloco_run([o.replace("diloco.gpus_per_worker=0.5", "diloco.gpus_per_worker=1") for o in common]
+                                      + ["diloco.sharding=fsdp", "diloco.workers_per_replica=2"], out, "fsdp", steps, H)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     mfu = (lambda tps: tps * fpt / peak if peak else None)
@@ -205,8 +212,16 @@ def main() -> int:
         "ddp_ratio_to_plain": ddp["tokens_per_s"] / loop["tokens_per_s"],
         "ddp_checkpoints": ddp["checkpoints"], "ddp_resumed": ddp["resumed"], "ddp_resume_error": ddp["resume_error"],
         "ddp_final_train_loss": ddp["final_train_loss"], "ddp_wall_s": ddp["wall_s"],
-        "fsdp": "owed: diloco.sharding=fsdp is not built yet",
     }
+    if fsdp is None:
+        res["fsdp"] = f"not run: FSDP needs 2 GPUs per replica (4 in all); this machine has {torch.cuda.device_count()}"
+    else:
+        per_gpu = fsdp["tokens_per_s"] / (4 if gpu else 1)  # 2 replicas x 2 GPUs against the loop's one
+        res.update({"fsdp_tokens_per_s": fsdp["tokens_per_s"], "fsdp_mfu": mfu(per_gpu),
+                    "fsdp_peak_gpu_memory_bytes": mem_fsdp.peak or None,
+                    "fsdp_ratio_to_plain": per_gpu / loop["tokens_per_s"],
+                    "fsdp_checkpoints": fsdp["checkpoints"], "fsdp_resumed": fsdp["resumed"],
+                    "fsdp_final_train_loss": fsdp["final_train_loss"]})
     gb = lambda b: f"{b / 2**30:.1f} GiB" if b else "-"  # noqa: E731
     pct = lambda x: f"{100 * x:.1f}%" if x else "-"  # noqa: E731
     print(f"{res['device']}: {cfg.model.preset} ({n / 1e6:.1f}M parameters), seq {seq}, batch {batch} "
@@ -216,13 +231,18 @@ def main() -> int:
           f"{gb(res['plain_peak_gpu_memory_bytes']):>16} {1.0:>6.2f}")
     print(f"{'ray-diloco, DDP':24} {ddp['tokens_per_s']:>10.0f} {pct(res['ddp_mfu']):>7} "
           f"{gb(res['ddp_peak_gpu_memory_bytes']):>16} {res['ddp_ratio_to_plain']:>6.2f}")
-    print(f"{'ray-diloco, FSDP':24} {'owed (diloco.sharding=fsdp not built)':>42}")
+    if fsdp is None:
+        print(f"{'ray-diloco, FSDP':24} {res['fsdp']}")
+    else:
+        print(f"{'ray-diloco, FSDP':24} {fsdp['tokens_per_s']:>10.0f} {pct(res['fsdp_mfu']):>7} "
+              f"{gb(res['fsdp_peak_gpu_memory_bytes']):>16} {res['fsdp_ratio_to_plain']:>6.2f}"
+              + ("  (4 GPUs: ratio per GPU)" if gpu else ""))
     print(f"checkpoints: {ddp['checkpoints']}, resumed one more outer step: {ddp['resumed']}"
           + (f" ({ddp['resume_error']})" if ddp["resume_error"] else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
-    return 0 if ddp["resumed"] else 1
+    return 0 if ddp["resumed"] and (fsdp is None or fsdp["resumed"]) else 1
 
 
 if __name__ == "__main__":

@@ -176,8 +176,21 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def global_params(state: dict[str, Any]) -> list[np.ndarray]:
-    """A checkpoint's global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
-    return state["outer"]["global"] if state.get("outer") else state["workers"][(0, 0)]["local"]
+    """A checkpoint's global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters).
+    An FSDP run's outer state holds W parts per fragment (``exchange_units`` W, fragment specs in
+    ``fragments``): they are joined (``core.shards.join_rank_parts``)."""
+    if not state.get("outer"):
+        return state["workers"][(0, 0)]["local"]
+    units = int(state.get("exchange_units") or 1)
+    glob = state["outer"]["global"]
+    if units == 1:
+        return glob
+    from ray_diloco.core.fragments import Fragment, ParamSpec
+    from ray_diloco.core.shards import join_rank_parts
+
+    frags = [Fragment(i, tuple(ParamSpec(n, tuple(shape)) for n, shape in specs))
+             for i, specs in enumerate(state["fragments"])]
+    return [join_rank_parts(glob[f.index * units:(f.index + 1) * units], f).numpy() for f in frags]
 
 
 def checkpoint_config(state: dict[str, Any]) -> Any:

@@ -20,10 +20,12 @@ from ray_diloco.models.transformer import lm_loss, logits_of
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, windows: np.ndarray,
-                  batch: int, autocast=nullcontext) -> tuple[float, int]:
+                  batch: int, autocast=nullcontext, min_batches: int = 0) -> tuple[float, int]:
     """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
     ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``). The sum
-    stays on the model's device (fp64) and is read once at the end."""
+    stays on the model's device (fp64) and is read once at the end. ``min_batches``: forward
+    passes made at least (the extra ones on window 0, not counted): the ranks of an FSDP replica
+    must make as many as each other."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -36,6 +38,10 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, wind
         _, ce = lm_loss(logits, y, 0.0)
         total += ce.double() * y.numel()
         count += y.numel()
+    for _ in range(min_batches - -(-len(windows) // batch)):
+        x, _ = val_batch(tokens, seq_len, np.zeros(1, dtype=np.int64))
+        with autocast():
+            model(x.to(device))
     model.train(was_training)
     return float(total), count
 

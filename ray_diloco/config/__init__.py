@@ -35,6 +35,7 @@ from ray_diloco.config.schema import (
     FAMILIES,
     JOIN_INNER_STATES,
     REPLICA_NODES,
+    SHARDINGS,
     MAX_STEPS,
     OUTER_OPTIMIZERS,
     PATTERNS,
@@ -66,7 +67,7 @@ from ray_diloco.config.validation import check_overlap, num_fragments, validate_
 from ray_diloco.errors import ConfigError
 
 __all__ = [
-    "ALGORITHMS", "CLOSING_ROUNDS", "FAMILIES", "JOIN_INNER_STATES", "REPLICA_NODES", "LEGACY_PRESETS", "MAX_STEPS",
+    "ALGORITHMS", "CLOSING_ROUNDS", "FAMILIES", "JOIN_INNER_STATES", "REPLICA_NODES", "SHARDINGS", "LEGACY_PRESETS", "MAX_STEPS",
     "OUTER_OPTIMIZERS", "PATTERNS", "PRECISIONS", "PRESETS", "PRESET_DIR", "PRESET_NAMES", "QUANTIZATION_FORMATS",
     "SHAPE_FIELDS", "TRACKING_MODES", "Algorithm", "ClosingRound", "Config", "ConfigError", "DataConfig",
     "DiLoCoConfig", "Family", "InnerConfig", "JoinInnerState", "ModelConfig", "NetworkConfig", "OuterConfig",

@@ -26,6 +26,7 @@ Pattern = Literal["strided", "sequential"]
 ClosingRound = Literal["average", "outer", "none"]
 JoinInnerState = Literal["peer", "fresh"]
 ReplicaNodes = Literal["one", "several"]
+Sharding = Literal["ddp", "fsdp"]
 #: Wire formats; a format's id in the wire message is its index here (:mod:`ray_diloco.core.quantize`).
 QuantFormat = Literal["none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0"]
 
@@ -38,6 +39,7 @@ PATTERNS: tuple[str, ...] = typing.get_args(Pattern)
 CLOSING_ROUNDS: tuple[str, ...] = typing.get_args(ClosingRound)
 JOIN_INNER_STATES: tuple[str, ...] = typing.get_args(JoinInnerState)
 REPLICA_NODES: tuple[str, ...] = typing.get_args(ReplicaNodes)
+SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 QUANTIZATION_FORMATS: tuple[str, ...] = typing.get_args(QuantFormat)
 PRESET_NAMES: tuple[str, ...] = typing.get_args(PresetName)
 
@@ -169,7 +171,12 @@ class DiLoCoConfig:
     replicas: int = 2
     """M, independent model replicas."""
     workers_per_replica: int = 1
-    """Ray actors per replica (DDP inside the replica)."""
+    """Ray actors per replica (DDP or FSDP inside the replica: ``sharding``)."""
+    sharding: Sharding = "ddp"
+    """Inside a replica: ``ddp`` (every worker holds the whole model and inner-optimiser state) or ``fsdp``
+    (FSDP2 ``fully_shard`` per decoder block: each worker holds 1/W of them; bf16 precision gathers
+    parameters in bf16 over fp32 masters). With ``fsdp`` each worker exchanges its own part of every
+    fragment with the outer optimiser (nothing is gathered on one rank). Needs ``workers_per_replica >= 2``."""
     H: int = 50
     """H, inner steps between outer steps."""
     cpus_per_worker: float | None = None

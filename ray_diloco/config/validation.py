@@ -20,6 +20,7 @@ from ray_diloco.config.schema import (
     FAMILIES,
     JOIN_INNER_STATES,
     REPLICA_NODES,
+    SHARDINGS,
     MAX_STEPS,
     OUTER_OPTIMIZERS,
     PATTERNS,
@@ -88,6 +89,13 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
         e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
     _one_of(e, "diloco.join_inner_state", d.join_inner_state, JOIN_INNER_STATES)
     _one_of(e, "diloco.replica_nodes", d.replica_nodes, REPLICA_NODES)
+    _one_of(e, "diloco.sharding", d.sharding, SHARDINGS)
+    if d.sharding == "fsdp":
+        _need(e, d.workers_per_replica >= 2, "diloco.sharding", d.sharding,
+              f"fsdp shards a replica over its workers: needs diloco.workers_per_replica >= 2 "
+              f"(it is {d.workers_per_replica})")
+        _need(e, cfg.algorithm == "diloco", "diloco.sharding", d.sharding,
+              f"fsdp is for DiLoCo replicas; the {cfg.algorithm} baseline uses DDP")
     if cfg.algorithm == "dp" and (d.max_replicas or d.replicas) != d.replicas:
         e.append(f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
                  "(the DP baseline is one fixed DDP group)")

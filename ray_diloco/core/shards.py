@@ -15,6 +15,14 @@ values computed over the whole fragment: a run's results do not depend on K. An 
 whose ranks each hold a contiguous slice of a fragment can send its pieces to the owners whose
 slices they overlap.
 
+Inside an FSDP replica (``diloco.sharding: fsdp``, FSDP2's ``fully_shard``) rank r of W holds
+rows :func:`rank_rows` of every parameter's first dimension. Each rank exchanges its own part
+of every fragment (:func:`rank_fragment`) as exchange unit ``f * W + r`` (:func:`exchange_index`):
+the outer optimiser is element-wise, so the W parts of a fragment step exactly as the whole
+would, and nothing is gathered on one rank. The K outer shards then slice each part as above.
+:func:`join_rank_parts` / :func:`split_rank_part` convert between the W parts and a fragment's
+flat vector (checkpoints, export, evaluation offline).
+
 No Ray here.
 """
 
@@ -23,8 +31,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import torch
 
+from ray_diloco.core.fragments import Fragment, ParamSpec
 from ray_diloco.core.quantize import BLOCK
 
 #: Shard boundaries are multiples of this many values.
@@ -84,4 +94,74 @@ def join_optimizer_states(states: list[dict[str, Any]], bounds: list[slice]) -> 
                 else:
                     names.setdefault(n, v)
         out["state"][key] = names
+    return out
+
+
+def rank_rows(rows: int, ranks: int, rank: int) -> slice:
+    """The rows of a parameter's first dimension that FSDP2 (``Shard(0)``) keeps on ``rank`` of
+    ``ranks``: ``ceil(rows / ranks)`` per rank in order, the last ranks' shorter or empty."""
+    per = -(-rows // ranks)
+    return slice(min(rows, rank * per), min(rows, (rank + 1) * per))
+
+
+def exchange_index(fragment: int, ranks: int, rank: int) -> int:
+    """The outer exchange's unit for rank ``rank``'s part of ``fragment`` (``ranks`` = 1: the
+    fragment itself)."""
+    return fragment * ranks + rank
+
+
+def rank_fragment(fragment: Fragment, ranks: int, rank: int) -> Fragment:
+    """Rank ``rank``'s part of ``fragment``: every parameter cut to its :func:`rank_rows` (same
+    names and order, shapes as the rank's local tensors).
+
+    Raises:
+        ValueError: a 0-dimensional parameter (FSDP shards dimension 0).
+    """
+    params = []
+    for p in fragment.params:
+        if not p.shape:
+            raise ValueError(f"parameter {p.name} has no dimension to shard")
+        rows = rank_rows(p.shape[0], ranks, rank)
+        params.append(ParamSpec(p.name, (rows.stop - rows.start,) + tuple(p.shape[1:])))
+    return Fragment(fragment.index, tuple(params))
+
+
+def _row_runs(fragment: Fragment, ranks: int, rank: int):
+    """``(start in the full flat vector, start in the rank's flat part, length)`` per parameter."""
+    full, part = 0, 0
+    for p in fragment.params:
+        inner = p.numel // p.shape[0] if p.shape[0] else 0
+        rows = rank_rows(p.shape[0], ranks, rank)
+        n = (rows.stop - rows.start) * inner
+        yield full + rows.start * inner, part, n
+        full += p.numel
+        part += n
+
+
+def join_rank_parts(parts: list[Any], fragment: Fragment) -> torch.Tensor:
+    """A fragment's flat fp32 ``[numel]`` from its W ranks' flat parts (rank order; arrays, also
+    read-only ones from the object store, or tensors of :func:`rank_fragment` sizes).
+
+    Raises:
+        ValueError: a part's size is not its rank's.
+    """
+    ranks = len(parts)
+    out = np.empty(fragment.numel, dtype=np.float32)
+    for r, part in enumerate(parts):
+        part = (part.detach().cpu().numpy() if isinstance(part, torch.Tensor) else np.asarray(part)).reshape(-1)
+        if part.size != rank_fragment(fragment, ranks, r).numel:
+            raise ValueError(f"fragment {fragment.index}: rank {r}'s part has {part.size} values, expected "
+                             f"{rank_fragment(fragment, ranks, r).numel}")
+        for full, at, n in _row_runs(fragment, ranks, r):
+            out[full:full + n] = part[at:at + n]
+    return torch.from_numpy(out)
+
+
+def split_rank_part(flat: Any, fragment: Fragment, ranks: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s flat part (a copy) of a fragment's flat fp32 ``[numel]`` (the inverse of
+    :func:`join_rank_parts`)."""
+    flat = (flat if isinstance(flat, torch.Tensor) else torch.from_numpy(np.array(flat, np.float32))).reshape(-1)
+    out = torch.empty(rank_fragment(fragment, ranks, rank).numel, dtype=torch.float32)
+    for full, at, n in _row_runs(fragment, ranks, rank):
+        out[at:at + n] = flat[full:full + n]
     return out

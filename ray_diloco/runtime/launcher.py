@@ -94,6 +94,7 @@ def _truncate_metrics(run_dir: Path, outer_step: int) -> None:
 
 
 FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.max_replicas", "diloco.workers_per_replica", "diloco.H",
+                   "diloco.sharding",
                    "model", "data",
                    "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
                    "streaming.pattern", "streaming.overlap_steps")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
-from ray_diloco.core.shards import shard_bounds
+from ray_diloco.core.shards import exchange_index, shard_bounds
 from ray_diloco.core.sync import SyncBuffers
 from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
 
@@ -84,6 +84,9 @@ class Link:
             a new global value that needs memory of its own (K > 1 slices joined, a quantised
             update applied) is written into one of its buffers (``none`` with K = 1 and resyncs
             stay read-only views of the shared reply).
+        units: exchange units per fragment (``diloco.sharding: fsdp``: W, every rank sends its
+            own rows of fragment f as unit ``f * W + rank``, ``core.shards.exchange_index``; 1:
+            rank 0 sends the fragment).
     """
 
     driver: Any
@@ -97,6 +100,7 @@ class Link:
     buffers: SyncBuffers | None = None
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: LinkStats = field(default_factory=LinkStats)
+    units: int = 1
 
     def __post_init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
@@ -131,7 +135,8 @@ class Link:
 
         t0 = time.perf_counter()
         up = 0
-        if self.rank == 0:
+        unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
+        if self.rank == 0 or self.units > 1:
             before = self.residuals.get(fragment)
             parts = self._encode(fragment, delta, before)
             up = 0 if parts is None else sum(message_size(m) for m in parts)
@@ -141,7 +146,7 @@ class Link:
             if self.buffers is not None:
                 self.buffers.give(delta)
             del delta
-            call = self.driver.exchange.remote(fragment, step, self.replica, weight, refs, version, average_only)
+            call = self.driver.exchange.remote(unit, step, self.replica, weight, refs, version, average_only)
             del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
             if reply.status != OK and self.error_feedback:
@@ -150,7 +155,7 @@ class Link:
                 else:
                     self.residuals[fragment] = before
         else:
-            reply = ray.get(self.driver.result.remote(fragment, step, self.replica, version, average_only))
+            reply = ray.get(self.driver.result.remote(unit, step, self.replica, version, average_only))
         down = reply.nbytes
         self._sleep(down)
         new_global = decode_reply(old_global, resolve_reply(reply),

@@ -177,8 +177,10 @@ class Membership:
         peer = None
         if self.cfg.diloco.join_inner_state == "peer" and self.live:
             try:
-                peer = self.live[0].rank0.inner_optimizer_state.remote()
-                ray.wait([peer], timeout=30)
+                fsdp = self.cfg.diloco.sharding == "fsdp"  # a joiner's rank r takes rank r's rows
+                peer = [w.inner_optimizer_state.remote() for w in (self.live[0].workers if fsdp
+                                                                     else [self.live[0].rank0])]
+                ray.wait(peer, num_returns=len(peer), timeout=30)
             except ray.exceptions.RayError:
                 peer = None
         for lc in ready:
@@ -189,7 +191,8 @@ class Membership:
             try:
                 ray.get([w.attach.remote(self.driver, self.schedule) for w in r.workers])
                 W = len(r.workers)
-                zero = ray.get([w.join.remote(refs, versions, step, positions[rank], peer and [peer], r.slot * W + rank)
+                zero = ray.get([w.join.remote(refs, versions, step, positions[rank],
+                                              peer and [peer[rank if len(peer) > 1 else 0]], r.slot * W + rank)
                                 for rank, w in enumerate(r.workers)])
             except ray.exceptions.RayError as e:
                 stop_replicas([r])

@@ -37,6 +37,7 @@ from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
                                        tensor_hash, unflatten_into)
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
+from ray_diloco.core.shards import rank_fragment
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.errors import ClusterError, ConfigError
@@ -104,7 +105,12 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
 
 def to_host(obj: Any) -> Any:
     """A copy of a (nested dict/list/tuple) state with every tensor detached and copied to host
-    memory (what leaves a worker: the job's process may have no GPU). Other values are deep-copied."""
+    memory (what leaves a worker: the job's process may have no GPU), a DTensor (FSDP) as its
+    local shard. Other values are deep-copied."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -124,6 +130,8 @@ def accumulate_gradients(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     ce_sum = None
     for j in range(n):
         xm, ym = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
+        if hasattr(net, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last pass only
+            net.set_requires_gradient_sync(j == n - 1)
         quiet = net.no_sync() if n > 1 and j < n - 1 and hasattr(net, "no_sync") else nullcontext()
         with quiet:
             with autocast():
@@ -146,6 +154,15 @@ def _init_group(master: tuple[str, int], rank: int, world_size: int, device: tor
     return True
 
 
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks of the replica's process group."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _free_port() -> int:
     """A TCP port free on this node now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -164,7 +181,89 @@ def _mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     return float(value)
 
 
-class ReplicaWorker:
+class WorkerState:
+    """What a replica worker holds and how it leaves and enters it: its parameters (FSDP: its
+    rows), inner-optimiser state, data position and RNG for checkpoints and joiners, and the
+    driver's global fragments. The base of :class:`ReplicaWorker` (which sets every attribute
+    used here: ``params``, ``sync_fragments``, ``sync``, ``optimizer``, ``reader``, ``fsdp``)."""
+
+    def _units(self, per_unit: list[Any]) -> list[Any]:
+        """This worker's entries, one per fragment, of a list over the outer exchange's units
+        (FSDP: unit ``f * W + rank`` is its part of fragment f; DDP: the fragments)."""
+        return per_unit[self.rank::self.world_size] if self.fsdp else per_unit
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        if self.fsdp:
+            from ray_diloco.runtime.fsdp import optimizer_state_in
+
+            optimizer_state_in(self.optimizer, state)
+        else:
+            self.optimizer.load_state_dict(state)
+
+    def local_fragment(self, fragment: int) -> np.ndarray:
+        """This worker's current parameters of ``fragment`` as fp32 ``[numel_p]`` (FSDP: its rows)."""
+        return flatten(self.params, self.sync_fragments[fragment]).numpy()
+
+    def params_hash(self) -> str:
+        """sha256 of this worker's local parameters (fp32 bytes, exchange order)."""
+        return tensor_hash([self.params[s.name] for s in self.specs])
+
+    def global_hash(self) -> str:
+        """sha256 of the global parameters this worker holds (all fragments)."""
+        return self.sync.global_hash()
+
+    def inner_optimizer_state(self) -> dict[str, Any]:
+        """A host copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
+        return to_host(self.optimizer.state_dict())
+
+    def global_fragment(self, fragment: int) -> np.ndarray:
+        """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
+        return self.sync.global_fragment(fragment)
+
+    def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
+        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps; an array, an
+        ObjectRef, or a list of the K outer shards' slices' ObjectRefs) and overwrite the local ones.
+        FSDP: ``fragment`` is an exchange unit; another rank's unit is ignored."""
+        if self.fsdp:
+            if fragment % self.world_size != self.rank:
+                return
+            fragment //= self.world_size
+        self.sync.load_global(fragment, fetch_global(global_p), version)
+
+    def state_dict(self, full: bool = True) -> dict[str, Any]:
+        """Data position and RNG of this worker and its sync state (``last_send``, ``pending``,
+        ``comm``: ``core.sync.FragmentSync.state_dict``); with ``full`` also its inner-optimiser
+        state, local parameters (identical on every rank of a replica, so only rank 0 sends them)
+        and the link's error-feedback ``residuals``."""
+        self.settle()  # syncs in flight are answered, so residuals and the driver are settled
+        state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
+                 "torch_rng": torch.get_rng_state(), **self.sync.state_dict(residuals=full)}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if full:
+            state["optimizer"] = to_host(self.optimizer.state_dict())
+            state["local"] = [flatten(self.params, f).numpy() for f in self.sync_fragments]
+        return state
+
+    def load_local(self, local: list[np.ndarray]) -> None:
+        """Overwrite the local parameters with fp32 ``[numel_p]`` arrays, one per fragment."""
+        for f, arr in zip(self.sync_fragments, local):
+            unflatten_into(self.params, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a full state (``optimizer`` and ``local`` must be present). Call after
+        ``load_global``: syncs that were in flight at the checkpoint merge the global values
+        loaded from the driver, at their original merge step."""
+        self.load_local(state["local"])
+        self._load_optimizer(state["optimizer"])
+        self.reader.load_state(state["data"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.sync.load_state_dict(state)
+
+
+class ReplicaWorker(WorkerState):
     """One rank of one replica.
 
     Args:
@@ -198,14 +297,12 @@ class ReplicaWorker:
             self.fragments: list[Fragment] = fragment_plan(self.cfg, self.specs)
         except ValueError:  # reported by the trainer (ConfigError) before any training
             self.fragments = plan_fragments(self.specs, 1)
+        self.fsdp = self.cfg.diloco.sharding == "fsdp" and world_size > 1
         self.params = dict(self.model.named_parameters())
+        self.sync_fragments = self.fragments  # what this worker exchanges of each fragment (FSDP: its rows)
         self.dp_bytes, self.dp_delay_s = 0, 0.0
         self.optimizer = make_inner_optimizer(self.model, self.cfg)
-        # a lambda: torch's load_state_dict replaces optimizer.state, so no bound method of it
-        self.sync = FragmentSync(self.params, self.fragments, alpha=self.cfg.streaming.alpha,
-                                 batch=self.cfg.batch_per_worker, seq_len=self.cfg.data.seq_len,
-                                 world_size=world_size, rank=rank, trace=self.cfg.run.trace_syncs,
-                                 on_reset=lambda: self.optimizer.state.clear())
+        self.sync = self._new_sync()
         self.net: torch.nn.Module = self.model
         self.reader: ShardReader | None = None
         self.val_tokens: np.ndarray | None = None
@@ -227,6 +324,9 @@ class ReplicaWorker:
             raise self.problem
         if self.world_size > 1:
             self.group = _init_group(master, self.rank, self.world_size, self.device, self.cfg.diloco.pg_timeout_s)
+        if self.fsdp:
+            self._shard()
+        elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(self.model, device_ids=[0] if self.device.type == "cuda" else None)
@@ -238,6 +338,25 @@ class ReplicaWorker:
         self.reader = ShardReader(train_tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
+
+    def _new_sync(self) -> FragmentSync:
+        # on_reset a lambda: torch's load_state_dict replaces optimizer.state, so no bound method of it
+        return FragmentSync(self.params, self.sync_fragments, alpha=self.cfg.streaming.alpha,
+                            batch=self.cfg.batch_per_worker, seq_len=self.cfg.data.seq_len,
+                            world_size=self.world_size, rank=0 if self.fsdp else self.rank,
+                            trace=self.cfg.run.trace_syncs, on_reset=lambda: self.optimizer.state.clear())
+
+    def _shard(self) -> None:
+        """``diloco.sharding: fsdp``: FSDP2 over the replica's group (``runtime.fsdp``); this
+        worker's parameters, fragments, inner optimiser and sync become its rows' (each rank
+        sends its own pseudo-gradient part as exchange unit ``f * W + rank``)."""
+        from ray_diloco.runtime.fsdp import local_params, shard_model
+
+        shard_model(self.model, self.world_size, self.device, self.cfg.run.precision == "bf16")
+        self.params = local_params(self.model)
+        self.sync_fragments = [rank_fragment(f, self.world_size, self.rank) for f in self.fragments]
+        self.optimizer = make_inner_optimizer(self.model, self.cfg)
+        self.sync = self._new_sync()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def pid(self) -> int:
@@ -258,25 +377,14 @@ class ReplicaWorker:
         """Number of fragments the parameters are exchanged in (1: plain DiLoCo)."""
         return len(self.fragments)
 
-    def local_fragment(self, fragment: int) -> np.ndarray:
-        """This worker's current parameters of ``fragment`` as fp32 ``[numel_p]``."""
-        return flatten(self.params, self.fragments[fragment]).numpy()
-
-    def params_hash(self) -> str:
-        """sha256 of this worker's local parameters (fp32 bytes, exchange order)."""
-        return tensor_hash([self.params[s.name] for s in self.specs])
-
-    def global_hash(self) -> str:
-        """sha256 of the global parameters this worker holds (all fragments)."""
-        return self.sync.global_hash()
-
     # -- outer-step exchange (core.sync.FragmentSync) ---------------------------------------
     def attach(self, driver: Any, schedule: SyncSchedule) -> None:
         """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n, k = self.cfg.streaming, self.cfg.network, self.cfg.diloco.outer_shards
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
-                                        n.bandwidth_gbps, n.latency_ms, k, self.sync.buffers))
+                                        n.bandwidth_gbps, n.latency_ms, k, self.sync.buffers,
+                                        units=self.world_size if self.fsdp else 1))
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
@@ -288,10 +396,6 @@ class ReplicaWorker:
         optimiser state is cleared (used after a rejected, non-finite pseudo-gradient)."""
         self.sync.reset_to_global()
 
-    def inner_optimizer_state(self) -> dict[str, Any]:
-        """A host copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
-        return to_host(self.optimizer.state_dict())
-
     def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
              peer_state: list[Any] | None = None, shard: int | None = None) -> tuple[str, str]:
         """Start as a joiner at inner step ``step``: local and global parameters <- the driver's
@@ -302,7 +406,7 @@ class ReplicaWorker:
         one it was started with) at the slot's position (None: the shard's start).
         Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero) and
         where the inner optimiser state came from (``peer`` or ``fresh``)."""
-        self.sync.join([fetch_global(g) for g in global_refs], versions, step)
+        self.sync.join([fetch_global(g) for g in self._units(global_refs)], self._units(versions), step)
         state = None
         if peer_state:
             try:
@@ -310,7 +414,7 @@ class ReplicaWorker:
             except (ray.exceptions.RayError, TimeoutError):  # the peer died meanwhile: not this replica's fault
                 state = None
         if state is not None:
-            self.optimizer.load_state_dict(state)
+            self._load_optimizer(state)
         else:
             self.optimizer.state.clear()
         if shard is not None and shard != self.shard:
@@ -324,15 +428,6 @@ class ReplicaWorker:
     def sync_trace(self) -> list[dict[str, Any]]:
         """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
         return self.sync.trace
-
-    def global_fragment(self, fragment: int) -> np.ndarray:
-        """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
-        return self.sync.global_fragment(fragment)
-
-    def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
-        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps; an array, an
-        ObjectRef, or a list of the K outer shards' slices' ObjectRefs) and overwrite the local ones."""
-        self.sync.load_global(fragment, fetch_global(global_p), version)
 
     # -- inner loop ------------------------------------------------------------------------
     def _autocast(self):
@@ -409,48 +504,18 @@ class ReplicaWorker:
         """
         saved = None
         if global_refs is not None:
-            saved = [flatten(self.params, f) for f in self.fragments]
-            self.load_local([fetch_global(g) for g in global_refs])
+            saved = [flatten(self.params, f) for f in self.sync_fragments]
+            self.load_local([fetch_global(g) for g in self._units(global_refs)])
         try:
+            batches = -(-len(windows) // self.cfg.run.eval_batch)
+            if self.fsdp:  # every forward gathers parameters with the replica's other ranks: as many as theirs
+                batches = _max_over_ranks(batches, self.device)
             return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
-                                 self.cfg.run.eval_batch, self._autocast)
+                                 self.cfg.run.eval_batch, self._autocast, min_batches=batches)
         finally:
             if saved is not None:
-                for f, v in zip(self.fragments, saved):
+                for f, v in zip(self.sync_fragments, saved):
                     unflatten_into(self.params, f, v)
-
-    # -- checkpoint ------------------------------------------------------------------------
-    def state_dict(self, full: bool = True) -> dict[str, Any]:
-        """Data position and RNG of this worker and its sync state (``last_send``, ``pending``,
-        ``comm``: ``core.sync.FragmentSync.state_dict``); with ``full`` also its inner-optimiser
-        state, local parameters (identical on every rank of a replica, so only rank 0 sends them)
-        and the link's error-feedback ``residuals``."""
-        self.settle()  # syncs in flight are answered, so residuals and the driver are settled
-        state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
-                 "torch_rng": torch.get_rng_state(), **self.sync.state_dict(residuals=full)}
-        if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        if full:
-            state["optimizer"] = to_host(self.optimizer.state_dict())
-            state["local"] = [flatten(self.params, f).numpy() for f in self.fragments]
-        return state
-
-    def load_local(self, local: list[np.ndarray]) -> None:
-        """Overwrite the local parameters with fp32 ``[numel_p]`` arrays, one per fragment."""
-        for f, arr in zip(self.fragments, local):
-            unflatten_into(self.params, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a full state (``optimizer`` and ``local`` must be present). Call after
-        ``load_global``: syncs that were in flight at the checkpoint merge the global values
-        loaded from the driver, at their original merge step."""
-        self.load_local(state["local"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.reader.load_state(state["data"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.sync.load_state_dict(state)
 
     def shutdown(self) -> None:
         """Stop the link thread and leave the replica's process group."""

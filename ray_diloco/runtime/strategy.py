@@ -184,9 +184,9 @@ class DiLoCoSync(SyncStrategy):
         self.num_params = trainer.num_params
         self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
                                      c.streaming.closing_round)
-        w0 = trainer.replicas[0].rank0
+        r0, units = trainer.replicas[0], self.units()  # FSDP: each rank's rows of each fragment
         initial = rs["outer"]["global"] if rs is not None else \
-            [w0.local_fragment.remote(p) for p in range(trainer.num_fragments)]  # by reference
+            [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
         ray.get(self.driver.init_global.remote(initial))
         trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
         if rs is not None:
@@ -207,9 +207,14 @@ class DiLoCoSync(SyncStrategy):
 
         return self.cfg.diloco.sync_timeout_s + transfer_allowance_s(4 * self.num_params)
 
+    def units(self) -> int:
+        """Exchange units per fragment: W with ``diloco.sharding: fsdp`` (every rank sends its rows), else 1."""
+        return self.cfg.diloco.workers_per_replica if self.cfg.diloco.sharding == "fsdp" else 1
+
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
         rank0 = [mtr for mtr in metrics if mtr["rank"] == 0]
-        return rank0, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
+        senders = metrics if self.units() > 1 else rank0
+        return senders, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
 
     def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
         """Rounds merged by the end of this outer step (apply step = min(send + tau, T)): update
@@ -247,7 +252,12 @@ class DiLoCoSync(SyncStrategy):
     def global_params(self, trainer: Any) -> list[np.ndarray]:
         import ray
 
-        return ray.get(self.driver.global_params.remote())
+        glob, units = ray.get(self.driver.global_params.remote()), self.units()
+        if units == 1:
+            return glob
+        from ray_diloco.core.shards import join_rank_parts
+
+        return [join_rank_parts(glob[f.index * units:(f.index + 1) * units], f).numpy() for f in trainer.fragments]
 
     def state_hashes(self) -> dict[str, str]:
         import ray

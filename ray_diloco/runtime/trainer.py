@@ -188,11 +188,13 @@ class Trainer:
         import ray
 
         states = rs["workers"]
+        fsdp = self.cfg.diloco.sharding == "fsdp"  # each rank has its own rows' state
         calls = []
         for r in self.replicas:
             rank0_state = states[(r.index, 0)]
             for rank, w in enumerate(r.workers):
-                s = {**states[(r.index, rank)], "optimizer": rank0_state["optimizer"], "local": rank0_state["local"]}
+                s = states[(r.index, rank)] if fsdp else \
+                    {**states[(r.index, rank)], "optimizer": rank0_state["optimizer"], "local": rank0_state["local"]}
                 calls.append(w.load_state_dict.remote(s))
         ray.get(calls)
 
@@ -276,9 +278,11 @@ class Trainer:
         globals_ = self.sync.eval_globals()
         windows = np.arange(val_windows(self.corpus.val, self.cfg.data.seq_len))
 
+        fsdp = self.cfg.diloco.sharding == "fsdp"  # every rank of a replica forwards together, windows or not
+
         def chunk(r, rank, i, n_workers):
             c = np.array_split(windows, n_workers)[i]
-            return (c, globals_) if len(c) else None
+            return (c, globals_) if len(c) or fsdp else None
 
         parts = list(self.supervisor.on_live("evaluate", chunk).values())
         total = sum(p[0] for p in parts)
@@ -288,7 +292,8 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Gather the outer state and every worker's state and write them atomically."""
         self.settle()
-        workers_state = self.supervisor.on_live("state_dict", lambda r, rank, i, n: (rank == 0,))
+        fsdp = self.cfg.diloco.sharding == "fsdp"  # every rank holds its own rows
+        workers_state = self.supervisor.on_live("state_dict", lambda r, rank, i, n: (rank == 0 or fsdp,))
         st = self.state
         state = {
             "format": 1,
@@ -301,6 +306,9 @@ class Trainer:
             "workers": workers_state,
             "membership": self.members.state_dict() if self.members is not None else None,
         }
+        if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
+            state["exchange_units"] = self.cfg.diloco.workers_per_replica
+            state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in self.fragments]
         with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
             return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
 

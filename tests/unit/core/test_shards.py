@@ -133,3 +133,27 @@ def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
         ray.get(three.exchange.remote(0, 25, 1, 1.0, [ray.put(encode(torch.zeros(10)))] * 3, 4))
     for d in (one, two, three):
         ray.kill(d)
+
+
+def test_fsdp_rank_parts_are_fully_shards_layout_and_join_back():
+    """Rank parts cut every parameter's first dimension as FSDP2's Shard(0) does (ceil(rows/W) per
+    rank, trailing ranks short or empty); joining the W parts gives the fragment back exactly."""
+    from ray_diloco.core.fragments import Fragment, ParamSpec
+    from ray_diloco.core.shards import exchange_index, join_rank_parts, rank_fragment, rank_rows, split_rank_part
+
+    assert [rank_rows(5, 3, r) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert [rank_rows(2, 3, r) for r in range(3)] == [slice(0, 1), slice(1, 2), slice(2, 2)]
+    frag = Fragment(1, (ParamSpec("a", (5, 3)), ParamSpec("b", (2,)), ParamSpec("c", (7, 2, 2))))
+    flat = torch.arange(frag.numel, dtype=torch.float32)
+    for W in (1, 2, 3, 8):
+        parts = [split_rank_part(flat, frag, W, r) for r in range(W)]
+        assert [p.numel() for p in parts] == [rank_fragment(frag, W, r).numel for r in range(W)]
+        assert sum(p.numel() for p in parts) == frag.numel
+        assert torch.equal(join_rank_parts(parts, frag), flat)
+        # each part is the rank's rows of each parameter, in order
+        r = W - 1
+        rows_a = rank_rows(5, W, r)
+        assert torch.equal(parts[r][: (rows_a.stop - rows_a.start) * 3], flat[:15].view(5, 3)[rows_a].reshape(-1))
+    assert [exchange_index(f, 3, r) for f in range(2) for r in range(3)] == list(range(6))
+    with pytest.raises(ValueError, match="rank 1's part has 4 values"):
+        join_rank_parts([split_rank_part(flat, frag, 2, 0), torch.zeros(4)], frag)
