@@ -57,7 +57,8 @@ def flops_per_token(n_params: int, layers: int, d_model: int, seq_len: int) -> f
 
 
 class GpuMemory:
-    """Peak memory used on GPU 0 by every process, sampled with nvidia-smi every 0.5 s (None on CPU)."""
+    """Peak memory used on all GPUs by every process (summed), sampled with nvidia-smi every 0.5 s
+    (0 on CPU, or where nvidia-smi reports no figure, as on MIG slices)."""
 
     def __init__(self):
         self.peak, self._stop = 0, threading.Event()
@@ -66,10 +67,13 @@ class GpuMemory:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip():
-                self.peak = max(self.peak, int(float(out.stdout.split()[0]) * 2**20))
+            try:
+                used = sum(float(x) for x in out.stdout.split()) if out.returncode == 0 else 0.0
+            except ValueError:  # "[N/A]"
+                used = 0.0
+            self.peak = max(self.peak, int(used * 2**20))
             self._stop.wait(0.5)
 
     def __enter__(self) -> "GpuMemory":
@@ -196,8 +200,10 @@ def main() -> int:
         fsdp, mem_fsdp = None, GpuMemory()
         if not gpu or torch.cuda.device_count() >= 4:
             with mem_fsdp:
-                fsdp = ray_diloco_run([o.replace("diloco.gpus_per_worker=0.5", "diloco.gpus_per_worker=1") for o in common]
-                                      + ["diloco.sharding=fsdp", "diloco.workers_per_replica=2"], out, "fsdp", steps, H)
+                sets = [o.replace("diloco.gpus_per_worker=0.5", "diloco.gpus_per_worker=1")
+                        .replace(f"inner.micro_batch={micro}", f"inner.micro_batch={min(micro, batch // 4)}") for o in common]
+                fsdp = ray_diloco_run(sets + ["diloco.sharding=fsdp", "diloco.workers_per_replica=2"], out, "fsdp",
+                                      steps, H)
     finally:
         shutil.rmtree(out, ignore_errors=True)
     mfu = (lambda tps: tps * fpt / peak if peak else None)

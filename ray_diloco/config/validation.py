@@ -90,6 +90,10 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
     _one_of(e, "diloco.join_inner_state", d.join_inner_state, JOIN_INNER_STATES)
     _one_of(e, "diloco.replica_nodes", d.replica_nodes, REPLICA_NODES)
     _one_of(e, "diloco.sharding", d.sharding, SHARDINGS)
+    if d.workers_per_replica >= 2 and 0 < d.gpus_per_worker < 1:
+        e.append(f"diloco.gpus_per_worker = {d.gpus_per_worker:g}: a replica of {d.workers_per_replica} workers forms an "
+                 "NCCL group, which cannot put two ranks on one GPU: give each worker a whole GPU (or use "
+                 "diloco.workers_per_replica = 1)")
     if d.sharding == "fsdp":
         _need(e, d.workers_per_replica >= 2, "diloco.sharding", d.sharding,
               f"fsdp shards a replica over its workers: needs diloco.workers_per_replica >= 2 "

@@ -139,9 +139,11 @@ def check_resources(cfg: Config) -> float:
         return _check_resources(cfg, ray.cluster_resources())
     from ray.autoscaler.sdk import request_resources
 
-    n = d.replicas * d.workers_per_replica
-    request_resources(bundles=[{"CPU": d.cpus_per_worker or 1, **({"GPU": d.gpus_per_worker} if d.gpus_per_worker
-                                                                   else {})} for _ in range(n)])
+    # a replica on one node needs one node with all its workers' resources; else one bundle per worker
+    one_node = d.replica_nodes == "one"
+    per, count = (d.workers_per_replica, d.replicas) if one_node else (1, d.replicas * d.workers_per_replica)
+    request_resources(bundles=[{"CPU": (d.cpus_per_worker or 1) * per,
+                                **({"GPU": d.gpus_per_worker * per} if d.gpus_per_worker else {})} for _ in range(count)])
     deadline, told = time.monotonic() + d.placement_timeout_s, False
     try:
         while True:

@@ -94,12 +94,15 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
         torch.cuda.set_device(device)
     model = build_model(cfg, vocab_size, model_fn).to(device)
     if cfg.run.activation_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; 4.x: gradient_...
+        old = getattr(model, "gradient_checkpointing_enable", None)
+        if (new is None and old is None) or not getattr(model, "supports_gradient_checkpointing", False):
             problem = problem or ConfigError([f"run.activation_checkpointing = true: the model ({type(model).__name__}) "
                                               "has no transformers activation checkpointing; set it to false"])
+        elif new is not None:
+            new({"use_reentrant": False})
         else:
-            enable({"use_reentrant": False})
+            old(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, device, problem
 
 
@@ -516,6 +519,8 @@ class ReplicaWorker(WorkerState):
             if saved is not None:
                 for f, v in zip(self.sync_fragments, saved):
                     unflatten_into(self.params, f, v)
+            if self.fsdp:  # no backward resharded the root group: drop its gathered (global) copy
+                self.model.reshard()
 
     def shutdown(self) -> None:
         """Stop the link thread and leave the replica's process group."""

@@ -225,7 +225,7 @@ class DiLoCoSync(SyncStrategy):
         merged_by = end if end >= self.cfg.run.steps else end - self.schedule.overlap
         rounds = ray.get(self.driver.take_stats.remote(merged_by))
         if rounds:
-            row.update(round_fields(rounds))
+            row.update(round_fields(rounds, self.units()))
         events = trainer.members.take_events() + ray.get(self.driver.take_events.remote())
         trainer.supervisor.record_events(events, trainer.state, row)
         row["replicas_target"] = trainer.members.target
@@ -311,20 +311,21 @@ class DataParallelSync(SyncStrategy):
         return ray.get([w0.local_fragment.remote(p) for p in range(trainer.num_fragments)])
 
 
-def round_fields(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def round_fields(rounds: list[dict[str, Any]], units: int = 1) -> dict[str, Any]:
     """Metric fields of the fragment syncs completed in one outer step (the driver's
-    ``take_stats`` rows): the outer update's norm, each replica's pseudo-gradient norm over
-    every fragment, the number of syncs, and up + down bytes (all replicas) per fragment."""
+    ``take_stats`` rows, one per exchange unit: ``units`` per fragment with FSDP): the outer
+    update's norm, each replica's pseudo-gradient norm over every fragment, the number of syncs,
+    and up + down bytes (all replicas) per fragment."""
     sq: dict[int, float] = {}
     per_fragment: dict[str, int] = {}
     for r in rounds:
         for m, v in r["delta_norms"].items():
             sq[m] = sq.get(m, 0.0) + v * v
-        key = f"fragment_{r['fragment']}"
+        key = f"fragment_{r['fragment'] // units}"
         per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
     return {"outer_update_norm": float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds))),
             "pseudo_grad_norm": {f"replica_{m}": float(np.sqrt(v)) for m, v in sorted(sq.items())},
-            "fragment_syncs": len(rounds),
+            "fragment_syncs": len(rounds) // units,
             "sync_bytes_fragment": per_fragment}
 
 

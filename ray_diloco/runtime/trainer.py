@@ -183,8 +183,8 @@ class Trainer:
             print(line, file=sys.stderr)
 
     def _restore_workers(self, rs: dict[str, Any]) -> None:
-        """Inner-optimiser state and local parameters (rank 0's, for every rank of its replica),
-        data position, RNG and syncs in flight (each worker's own) from a checkpoint."""
+        """Inner-optimiser state and local parameters (DDP: rank 0's, for every rank of its replica;
+        FSDP: each rank's own rows), data position, RNG and syncs in flight (each worker's own)."""
         import ray
 
         states = rs["workers"]

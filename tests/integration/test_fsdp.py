@@ -14,7 +14,8 @@ from ray_diloco.config import load_config
 
 def _cfg(tmp_path, mode: str, **extra):
     extra.setdefault("run__name", mode)
-    return load_config(tiny_overrides(tmp_path, diloco__workers_per_replica=2, diloco__sharding=mode, run__steps=10,
+    extra.setdefault("run__steps", 10)
+    return load_config(tiny_overrides(tmp_path, diloco__workers_per_replica=2, diloco__sharding=mode,
                                       run__deterministic=True, **extra))
 
 
@@ -55,7 +56,8 @@ def test_fsdp_run_checkpoints_resume_bitwise_and_export_loads_in_transformers(ra
     from ray_diloco.components.evaluate import evaluate_loss, evaluate_run
     from ray_diloco.runtime.launcher import train
 
-    cfg = _cfg(tmp_path, "fsdp", run__eval_every=2, data__path=str(small_text))
+    cfg = _cfg(tmp_path, "fsdp", run__eval_every=1, data__path=str(small_text),
+               streaming__overlap_steps=1)  # an eval between steps, while local and global parameters differ
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "fsdp"
     ckpt_loss, step, _ = evaluate_run(run_dir)
@@ -69,7 +71,8 @@ def test_fsdp_run_checkpoints_resume_bitwise_and_export_loads_in_transformers(ra
     assert s1["exchange_units"] == 2 and len(s1["outer"]["global"]) == 2  # one part per rank
     assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor  # host tensors, no DTensor
                for w in s1["workers"].values() for st in w["optimizer"]["state"].values() for v in st.values())
-    t = start_trainer(_cfg(tmp_path, "fsdp", run__eval_every=2, data__path=str(small_text), run__name="again"),
+    t = start_trainer(_cfg(tmp_path, "fsdp", run__eval_every=1, data__path=str(small_text), run__name="again",
+                           streaming__overlap_steps=1),
                       corpus, resume_state=s1)
     try:
         t.outer_step(2)
@@ -78,3 +81,35 @@ def test_fsdp_run_checkpoints_resume_bitwise_and_export_loads_in_transformers(ra
         t.shutdown()
     for a, b in zip(global_params(s2), again):
         assert np.array_equal(a, b)
+
+
+def test_an_fsdp_joiner_takes_its_ranks_rows_and_peer_state(ray_session, tmp_path, corpus):
+    """What a joining FSDP replica does (``ReplicaWorker.join``, as ``Membership.admit`` calls it):
+    each rank loads its own rows of the global parameters (its pseudo-gradient is then zero) and the
+    same rank's inner state of a live replica (host tensors made DTensors again), then trains on."""
+    import ray
+    import torch
+
+    from ray_diloco.core.fragments import tensor_hash
+
+    t = start_trainer(_cfg(tmp_path, "fsdp", run__steps=15), corpus)
+    try:
+        t.outer_step(1)
+        t.settle()
+        live, joiner = t.replicas
+        refs = ray.get(t.driver.global_refs.remote())
+        versions = ray.get(t.driver.global_versions.remote())
+        peers = [w.inner_optimizer_state.remote() for w in live.workers]
+        out = ray.get([w.join.remote(refs, versions, 5, None, [peers[rank]])
+                       for rank, w in enumerate(joiner.workers)])
+        for rank, (zero, source) in enumerate(out):
+            n = ray.get(joiner.workers[rank].local_fragment.remote(0)).size
+            assert source == "peer" and zero == tensor_hash([torch.zeros(n)])
+            assert ray.get(joiner.workers[rank].global_hash.remote()) == ray.get(live.workers[rank].global_hash.remote())
+        mine = ray.get(joiner.workers[1].inner_optimizer_state.remote())
+        theirs = ray.get(peers[1])
+        assert all(torch.equal(mine["state"][k]["exp_avg"], theirs["state"][k]["exp_avg"]) for k in theirs["state"])
+        row = t.outer_step(2)
+        assert np.isfinite(row["train_loss"]) and row["replicas_live"] == 2
+    finally:
+        t.shutdown()
