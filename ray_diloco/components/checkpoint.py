@@ -181,16 +181,12 @@ def global_params(state: dict[str, Any]) -> list[np.ndarray]:
     ``fragments``): they are joined (``core.shards.join_rank_parts``)."""
     if not state.get("outer"):
         return state["workers"][(0, 0)]["local"]
-    units = int(state.get("exchange_units") or 1)
-    glob = state["outer"]["global"]
-    if units == 1:
-        return glob
     from ray_diloco.core.fragments import Fragment, ParamSpec
-    from ray_diloco.core.shards import join_rank_parts
+    from ray_diloco.core.shards import join_units
 
     frags = [Fragment(i, tuple(ParamSpec(n, tuple(shape)) for n, shape in specs))
-             for i, specs in enumerate(state["fragments"])]
-    return [join_rank_parts(glob[f.index * units:(f.index + 1) * units], f).numpy() for f in frags]
+             for i, specs in enumerate(state.get("fragments", []))]
+    return join_units(state["outer"]["global"], frags, int(state.get("exchange_units") or 1))
 
 
 def checkpoint_config(state: dict[str, Any]) -> Any:

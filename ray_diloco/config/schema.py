@@ -374,6 +374,12 @@ class Config:
         return self.inner.global_batch // (self.diloco.replicas * self.diloco.workers_per_replica)
 
     @property
+    def exchange_units(self) -> int:
+        """Outer-exchange units per fragment: ``diloco.workers_per_replica`` with ``diloco.sharding:
+        fsdp`` (each rank exchanges its own rows, ``core.shards.exchange_index``), else 1."""
+        return self.diloco.workers_per_replica if self.diloco.sharding == "fsdp" else 1
+
+    @property
     def micro_batch(self) -> int:
         """Sequences per forward/backward pass on one worker: ``inner.micro_batch``, or the whole
         :attr:`batch_per_worker` when it is None."""

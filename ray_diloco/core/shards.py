@@ -157,6 +157,15 @@ def join_rank_parts(parts: list[Any], fragment: Fragment) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def join_units(values: list[Any], fragments: list[Fragment], units: int) -> list[Any]:
+    """The global parameters per fragment from the outer exchange's values per unit (``units`` per
+    fragment, :func:`exchange_index` order): the W rank parts of each fragment joined into fp32
+    ``[numel]`` arrays; ``units`` = 1: ``values`` as they are."""
+    if units == 1:
+        return values
+    return [join_rank_parts(values[f.index * units:(f.index + 1) * units], f).numpy() for f in fragments]
+
+
 def split_rank_part(flat: Any, fragment: Fragment, ranks: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s flat part (a copy) of a fragment's flat fp32 ``[numel]`` (the inverse of
     :func:`join_rank_parts`)."""

@@ -177,7 +177,7 @@ class Membership:
         peer = None
         if self.cfg.diloco.join_inner_state == "peer" and self.live:
             try:
-                fsdp = self.cfg.diloco.sharding == "fsdp"  # a joiner's rank r takes rank r's rows
+                fsdp = self.cfg.exchange_units > 1  # a joiner's rank r takes rank r's rows
                 peer = [w.inner_optimizer_state.remote() for w in (self.live[0].workers if fsdp
                                                                      else [self.live[0].rank0])]
                 ray.wait(peer, num_returns=len(peer), timeout=30)

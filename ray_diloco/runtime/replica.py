@@ -110,7 +110,7 @@ def to_host(obj: Any) -> Any:
     """A copy of a (nested dict/list/tuple) state with every tensor detached and copied to host
     memory (what leaves a worker: the job's process may have no GPU), a DTensor (FSDP) as its
     local shard. Other values are deep-copied."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # here: importing it takes ~1 s, most workers never need it
 
     if isinstance(obj, DTensor):
         obj = obj.to_local()
@@ -300,7 +300,7 @@ class ReplicaWorker(WorkerState):
             self.fragments: list[Fragment] = fragment_plan(self.cfg, self.specs)
         except ValueError:  # reported by the trainer (ConfigError) before any training
             self.fragments = plan_fragments(self.specs, 1)
-        self.fsdp = self.cfg.diloco.sharding == "fsdp" and world_size > 1
+        self.fsdp = self.cfg.exchange_units > 1 and world_size > 1
         self.params = dict(self.model.named_parameters())
         self.sync_fragments = self.fragments  # what this worker exchanges of each fragment (FSDP: its rows)
         self.dp_bytes, self.dp_delay_s = 0, 0.0
@@ -510,11 +510,10 @@ class ReplicaWorker(WorkerState):
             saved = [flatten(self.params, f) for f in self.sync_fragments]
             self.load_local([fetch_global(g) for g in self._units(global_refs)])
         try:
-            batches = -(-len(windows) // self.cfg.run.eval_batch)
-            if self.fsdp:  # every forward gathers parameters with the replica's other ranks: as many as theirs
-                batches = _max_over_ranks(batches, self.device)
+            # FSDP: every forward gathers parameters with the replica's other ranks: as many as theirs
+            most = _max_over_ranks(-(-len(windows) // self.cfg.run.eval_batch), self.device) if self.fsdp else 0
             return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
-                                 self.cfg.run.eval_batch, self._autocast, min_batches=batches)
+                                 self.cfg.run.eval_batch, self._autocast, min_batches=most)
         finally:
             if saved is not None:
                 for f, v in zip(self.sync_fragments, saved):

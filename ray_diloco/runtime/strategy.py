@@ -184,7 +184,7 @@ class DiLoCoSync(SyncStrategy):
         self.num_params = trainer.num_params
         self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
                                      c.streaming.closing_round)
-        r0, units = trainer.replicas[0], self.units()  # FSDP: each rank's rows of each fragment
+        r0, units = trainer.replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
         initial = rs["outer"]["global"] if rs is not None else \
             [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
         ray.get(self.driver.init_global.remote(initial))
@@ -207,13 +207,9 @@ class DiLoCoSync(SyncStrategy):
 
         return self.cfg.diloco.sync_timeout_s + transfer_allowance_s(4 * self.num_params)
 
-    def units(self) -> int:
-        """Exchange units per fragment: W with ``diloco.sharding: fsdp`` (every rank sends its rows), else 1."""
-        return self.cfg.diloco.workers_per_replica if self.cfg.diloco.sharding == "fsdp" else 1
-
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
         rank0 = [mtr for mtr in metrics if mtr["rank"] == 0]
-        senders = metrics if self.units() > 1 else rank0
+        senders = metrics if self.cfg.exchange_units > 1 else rank0
         return senders, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
 
     def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
@@ -225,7 +221,7 @@ class DiLoCoSync(SyncStrategy):
         merged_by = end if end >= self.cfg.run.steps else end - self.schedule.overlap
         rounds = ray.get(self.driver.take_stats.remote(merged_by))
         if rounds:
-            row.update(round_fields(rounds, self.units()))
+            row.update(round_fields(rounds, self.cfg.exchange_units))
         events = trainer.members.take_events() + ray.get(self.driver.take_events.remote())
         trainer.supervisor.record_events(events, trainer.state, row)
         row["replicas_target"] = trainer.members.target
@@ -252,12 +248,9 @@ class DiLoCoSync(SyncStrategy):
     def global_params(self, trainer: Any) -> list[np.ndarray]:
         import ray
 
-        glob, units = ray.get(self.driver.global_params.remote()), self.units()
-        if units == 1:
-            return glob
-        from ray_diloco.core.shards import join_rank_parts
+        from ray_diloco.core.shards import join_units
 
-        return [join_rank_parts(glob[f.index * units:(f.index + 1) * units], f).numpy() for f in trainer.fragments]
+        return join_units(ray.get(self.driver.global_params.remote()), trainer.fragments, self.cfg.exchange_units)
 
     def state_hashes(self) -> dict[str, str]:
         import ray

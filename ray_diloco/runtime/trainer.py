@@ -188,7 +188,7 @@ class Trainer:
         import ray
 
         states = rs["workers"]
-        fsdp = self.cfg.diloco.sharding == "fsdp"  # each rank has its own rows' state
+        fsdp = self.cfg.exchange_units > 1  # each rank has its own rows' state
         calls = []
         for r in self.replicas:
             rank0_state = states[(r.index, 0)]
@@ -278,7 +278,7 @@ class Trainer:
         globals_ = self.sync.eval_globals()
         windows = np.arange(val_windows(self.corpus.val, self.cfg.data.seq_len))
 
-        fsdp = self.cfg.diloco.sharding == "fsdp"  # every rank of a replica forwards together, windows or not
+        fsdp = self.cfg.exchange_units > 1  # every rank of a replica forwards together, windows or not
 
         def chunk(r, rank, i, n_workers):
             c = np.array_split(windows, n_workers)[i]
@@ -292,7 +292,7 @@ class Trainer:
     def checkpoint(self) -> Path:
         """Gather the outer state and every worker's state and write them atomically."""
         self.settle()
-        fsdp = self.cfg.diloco.sharding == "fsdp"  # every rank holds its own rows
+        fsdp = self.cfg.exchange_units > 1  # every rank holds its own rows
         workers_state = self.supervisor.on_live("state_dict", lambda r, rank, i, n: (rank == 0 or fsdp,))
         st = self.state
         state = {
@@ -307,7 +307,7 @@ class Trainer:
             "membership": self.members.state_dict() if self.members is not None else None,
         }
         if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
-            state["exchange_units"] = self.cfg.diloco.workers_per_replica
+            state["exchange_units"] = self.cfg.exchange_units
             state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in self.fragments]
         with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
             return save_checkpoint(self.run_dir, st.outer_step, state, self.cfg.run.keep_checkpoints)
