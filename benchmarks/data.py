@@ -1,8 +1,11 @@
 """Data benchmark (issue 15): prepare throughput and peak memory, reader throughput, start-up.
 
-    python benchmarks/data.py [--sizes-mb 100 1000] [--tokenizer bpe|gpt2-style|PATH/tokenizer.json] [--json OUT]
+    python benchmarks/data.py [--sizes-mb 100 1000] [--format jsonl|text] [--tokenizer bpe|gpt2-style|PATH/tokenizer.json]
+                              [--json OUT]
 
-* corpus: the bundled Tiny Shakespeare repeated into 16 MB text files up to each size;
+* corpus: the bundled Tiny Shakespeare repeated into 16 MB files up to each size: JSONL documents of
+  about 3 KB (``--format jsonl``, default: the shape of C4 / FineWeb rows) or plain text files
+  (``--format text``: prepare reads them line by line, a line per ``encode`` call);
 * prepare: ``ray-diloco prepare`` in a subprocess; tokens/s = all tokens / wall time; peak memory =
   the largest sum, sampled every 2 s, of the proportional set size (PSS) of the prepare and every
   Ray process started after it (Ray workers included; a shared page, such as torch's libraries or
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -29,13 +33,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build_corpus(d: Path, mb: int) -> Path:
+def build_corpus(d: Path, mb: int, fmt: str = "jsonl") -> Path:
+    """``mb`` MB of the bundled Tiny Shakespeare, repeated, in 16 MB files: ``jsonl`` (documents of
+    about 3 KB, runs of whole paragraphs, the shape of C4 or FineWeb rows) or ``text`` (plain text,
+    which prepare reads line by line)."""
     text = (ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt").read_text()
-    block = text * (16 * 2**20 // len(text) + 1)
-    block = block[: 16 * 2**20]
+    if fmt == "text":
+        block = text * (16 * 2**20 // len(text) + 1)
+        block = block[: 16 * 2**20]
+    else:
+        docs, cur = [], ""
+        for para in text.split("\n\n"):
+            cur += para + "\n\n"
+            if len(cur) >= 3000:
+                docs.append(json.dumps({"text": cur}) + "\n")
+                cur = ""
+        one = "".join(docs)
+        block = "".join(itertools.islice(itertools.cycle(docs), 16 * 2**20 * len(docs) // len(one)))
     d.mkdir(parents=True, exist_ok=True)
     for i in range(max(1, mb // 16)):
-        (d / f"part{i:04d}.txt").write_text(block)
+        (d / f"part{i:04d}.{'txt' if fmt == 'text' else 'jsonl'}").write_text(block)
     return d
 
 
@@ -97,7 +114,10 @@ def gpt2_style_tokenizer(src: Path, out: Path) -> str:
     here); ``prepare --tokenizer PATH`` loads it as it would GPT-2's."""
     from tokenizers import ByteLevelBPETokenizer
 
-    text = next(iter(sorted(src.glob("*.txt")))).read_text()[: 16 * 2**20]
+    first = next(iter(sorted(src.glob("part*"))))
+    text = first.read_text()[: 16 * 2**20]
+    if first.suffix == ".jsonl":
+        text = "".join(json.loads(line)["text"] for line in text.splitlines() if line.endswith("}"))
     tok = ByteLevelBPETokenizer(add_prefix_space=False)
     tok.train_from_iterator([text], vocab_size=50257, min_frequency=1, special_tokens=["<|endoftext|>"])
     out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +169,8 @@ def main() -> None:
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--tokenizer", default="bpe",
                     help="bpe, char, a tokenizer.json path, or gpt2-style (a GPT-2-shaped file trained here)")
+    ap.add_argument("--format", choices=["jsonl", "text"], default="jsonl",
+                    help="jsonl: ~3 KB documents (C4-shaped); text: plain text files, read line by line")
     ap.add_argument("--startup-tokens", type=int, nargs=2, default=[10**6, 10**9])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -156,10 +178,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=str(ROOT)) as tmp:
         tmp = Path(tmp)
         for mb in a.sizes_mb:
-            src = build_corpus(tmp / f"src{mb}", mb)
+            src = build_corpus(tmp / f"src{mb}", mb, a.format)
             tok = gpt2_style_tokenizer(src, tmp / "gpt2-style") if a.tokenizer == "gpt2-style" else a.tokenizer
             res["prepare"][mb] = prepare(src, tmp / f"store{mb}", tok)
-        res["tokenizer"] = a.tokenizer
+        res["tokenizer"], res["format"] = a.tokenizer, a.format
         res["prepare_tokens_per_s"] = res["prepare"][a.sizes_mb[-1]]["tokens_per_s"]
         res["prepare_peak_memory_bytes"] = {mb: r["peak_memory_bytes"] for mb, r in res["prepare"].items()}
         small, big = (synthetic_store(tmp / f"syn{n}", n) for n in a.startup_tokens)

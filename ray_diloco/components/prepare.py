@@ -172,10 +172,22 @@ def _hub(opts: PrepareOptions, skip_rows: int):
 # tokenizers
 
 
-def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES) -> list[str]:
-    """The first ``limit`` bytes of text of ``ds`` (a bounded sample, streamed)."""
+def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE") -> list[str]:
+    """The first ``limit`` bytes of text of ``ds`` (a bounded sample, streamed; one pass over the
+    source's first rows, which also checks ``column``).
+
+    Raises:
+        DataError: the source has no rows, or no column ``column``.
+    """
     out, size = [], 0
-    for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
+    batches = iter(ds.iter_batches(batch_size=256 if limit > 1 else 1, batch_format="numpy"))
+    first = next(batches, None)
+    if first is None:
+        raise DataError(f"{what}: no rows")
+    if column not in first:
+        raise DataError(f"--text-field {column!r}: not a column of the source (columns: "
+                        f"{', '.join(k for k in first if k != 'path')})")
+    for batch in itertools.chain([first], batches):
         for t in batch[column]:
             if isinstance(t, str) and t:
                 out.append(t)
@@ -304,13 +316,29 @@ def _data_error(e: BaseException) -> DataError | None:
 
 
 def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
-    """``(reader(files_done) -> Ray dataset, source description)``; the description keys the rerun."""
+    """``(reader(cursor, sample_bytes=None) -> Ray dataset, source description)``; the description
+    keys the rerun. With ``sample_bytes`` the dataset reads only the first files holding twice
+    that many bytes (the tokenizer's sample of that much text: Ray Data would otherwise read ahead
+    into every file, up to its object-store cap, for a sample it then drops)."""
     if opts.dataset:
         desc = {"dataset": opts.dataset, "config": opts.dataset_config, "split": opts.split, "lines": False}
-        return (lambda cursor: _hub(opts, cursor.get("rows", 0))), desc
+        return (lambda cursor, sample_bytes=None: _hub(opts, cursor.get("rows", 0))), desc
     fs, paths, sizes, kind = resolve_sources(opts.sources)
     desc = {"files": paths, "bytes": sizes, "format": kind, "lines": kind == "text", "sources": opts.sources}
-    return (lambda cursor: _read(fs, paths[cursor.get("files_done", 0):], kind, opts)), desc
+
+    def make(cursor: dict[str, Any], sample_bytes: int | None = None):
+        todo = paths[cursor.get("files_done", 0):]
+        if sample_bytes is not None:
+            covered = np.cumsum(sizes)
+            todo = paths[: int(np.searchsorted(covered, 2 * sample_bytes)) + 1]  # JSON: more bytes than text
+        return _read(fs, todo, kind, opts)
+
+    return make, desc
+
+
+def _sample_bytes(opts: PrepareOptions) -> int:
+    """Text the tokenizer is built from: a sample for ``char``/``bpe``; one row (the column check) else."""
+    return SAMPLE_BYTES if opts.tokenizer in ("char", "bpe") else 1
 
 
 def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, ds: Any, column: str):
@@ -323,13 +351,8 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, ds: Any, column: s
         local = writer.loc.get_dir(TOKENIZER_DIR, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
                                    Path(__import__("tempfile").mkdtemp(prefix="ray-diloco-tok-")))
         return load_saved_tokenizer(local)
-    first = next(iter(ds.iter_batches(batch_size=1, batch_format="numpy")), None)
-    if first is None:
-        raise DataError(f"SOURCE {opts.dataset or ', '.join(opts.sources)}: no rows")
-    if column not in first:
-        raise DataError(f"--text-field {column!r}: not a column of the source (columns: "
-                        f"{', '.join(k for k in first if k != 'path')})")
-    sample = _sample(ds, column, SAMPLE_BYTES if opts.tokenizer in ("char", "bpe") else 1)
+    sample = _sample(ds, column, _sample_bytes(opts),
+                     f"SOURCE {opts.dataset or ', '.join(opts.sources)}")
     tok = build_prepare_tokenizer(opts.tokenizer, sample, opts.bpe_vocab_size)
     import tempfile
 
@@ -401,7 +424,7 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
 
     column = "text" if desc["lines"] else opts.text_field
     writer = StoreWriter(opts.out, 1 << 16, opts.shard_tokens)  # vocabulary set below
-    tok = _tokenizer_for(opts, writer, make({}), column)
+    tok = _tokenizer_for(opts, writer, make({}, _sample_bytes(opts)), column)
     from ray_diloco.components.token_store import dtype_for
 
     tok_json = tok.backend_tokenizer.to_str()
