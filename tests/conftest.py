@@ -12,6 +12,8 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the small path's token cache (data.cache_dir): one per test session, not the user's ~/.cache
+os.environ.setdefault("RAY_DILOCO_CACHE", __import__("tempfile").mkdtemp(prefix="ray-diloco-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"

@@ -17,6 +17,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,9 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", "
 
 @dataclass
 class Corpus:
-    """Tokenised corpus. ``train``/``val``: int32 token ids, shape ``[n_tokens]``."""
+    """Tokenised corpus. ``train``/``val``: token ids, shape ``[n_tokens]``: int32 arrays, or
+    :class:`~ray_diloco.components.token_store.TokenSplit` s (a prepared store's, or a cached
+    local file's loaded into memory)."""
 
     train: Any  # np.ndarray, or a token_store.TokenSplit (same len and slicing)
     val: Any
@@ -49,13 +54,31 @@ class Corpus:
         if self.store_id is not None:
             return f"store:{self.store_id}"
         h = hashlib.sha256()
-        h.update(self.train.tobytes())
-        h.update(self.val.tobytes())
+        for split in (self.train, self.val):
+            h.update((split.to_array() if hasattr(split, "to_array") else np.asarray(split, np.int32)).tobytes())
         return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------
 # loading text
+
+
+def source_file(cfg: DataConfig) -> Path | None:
+    """The local file the corpus comes from (``data.path``, or the bundled Tiny Shakespeare when
+    neither ``path`` nor ``dataset`` is set); None for a hub dataset.
+
+    Raises:
+        DataError: the file is missing or of an unsupported type.
+    """
+    if cfg.path is None and cfg.dataset is not None:
+        return None
+    path = BUNDLED_CORPUS if cfg.path is None else Path(cfg.path).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.path = {str(path)!r}: file not found")
+    if path.suffix.lower() not in _BUILDERS:
+        raise DataError(f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
+                        f"(allowed: {', '.join(sorted(_BUILDERS))})")
+    return path
 
 
 def load_texts(cfg: DataConfig) -> list[str]:
@@ -67,22 +90,10 @@ def load_texts(cfg: DataConfig) -> list[str]:
     import datasets
 
     datasets.disable_progress_bars()
-    if cfg.path is None and cfg.dataset is None:
-        path = BUNDLED_CORPUS
-    elif cfg.path is not None:
-        path = Path(cfg.path).expanduser()
-    else:
-        path = None
+    path = source_file(cfg)
     try:
         if path is not None:
-            if not path.is_file():
-                raise DataError(f"data.path = {str(path)!r}: file not found")
-            builder = _BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise DataError(
-                    f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
-                    f"(allowed: {', '.join(sorted(_BUILDERS))})"
-                )
+            builder = _BUILDERS[path.suffix.lower()]
             kwargs = {"sample_by": "document"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
             field = "text" if builder == "text" else cfg.text_field
@@ -243,29 +254,134 @@ def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
 def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Any = None) -> Corpus:
     """Load, tokenise and split the corpus.
 
-    ``tokenizer`` (for example one restored from a run directory) is used as is; otherwise one is
-    built from ``cfg`` and, when ``tokenizer_dir`` is given, saved there.
+    ``cfg.prepared``: the store is opened (:func:`open_prepared`). A local file (``data.path`` or
+    the bundled corpus): tokenised once into a cached store (:func:`cached_corpus`), loaded into
+    memory. A hub dataset: loaded and tokenised here. ``tokenizer`` (for example one restored from
+    a run directory) is used as is; otherwise one is built from ``cfg`` and, when
+    ``tokenizer_dir`` is given, saved there.
 
     Raises:
         DataError: when loading fails or a split is shorter than one sequence.
     """
     if cfg.prepared is not None:
         return open_prepared(cfg, tokenizer)
+    path = source_file(cfg)
+    corpus = cached_corpus(cfg, path, tokenizer) if path is not None else _tokenized(cfg, tokenizer)
+    need = cfg.seq_len + 1
+    if len(corpus.train) < 2 * need or len(corpus.val) < need:
+        raise DataError(
+            f"data: corpus too small: {len(corpus.train)} train / {len(corpus.val)} validation tokens; "
+            f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}"
+        )
+    if tokenizer is None and tokenizer_dir is not None:
+        corpus.tokenizer.save_pretrained(str(tokenizer_dir))
+    return corpus
+
+
+def _tokenized(cfg: DataConfig, tokenizer: Any) -> Corpus:
+    """The corpus tokenised in this process: documents joined, the tail ``val_fraction`` held out."""
     texts = load_texts(cfg)
-    if tokenizer is None:
-        tokenizer = build_tokenizer(cfg, texts)
-        if tokenizer_dir is not None:
-            tokenizer.save_pretrained(str(tokenizer_dir))
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg, texts)
     ids = tokenize(tokenizer, texts)
     n_val = int(round(len(ids) * cfg.val_fraction))
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    need = cfg.seq_len + 1
-    if len(train) < 2 * need or len(val) < need:
-        raise DataError(
-            f"data: corpus too small: {len(train)} train / {len(val)} validation tokens; "
-            f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}"
-        )
     return Corpus(train=train, val=val, vocab_size=len(tokenizer), tokenizer=tokenizer)
+
+
+# ---------------------------------------------------------------------------------------
+# the small path's cache: a local file tokenised once into a token store
+
+
+#: Bump when what a cache entry holds for the same key changes.
+CACHE_VERSION = 1
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    """Where tokenised local files are cached: ``data.cache_dir``, else ``$RAY_DILOCO_CACHE``, else
+    ``~/.cache/ray-diloco``; the stores live in its ``tokens/`` folder."""
+    root = cfg.cache_dir or os.environ.get("RAY_DILOCO_CACHE") or "~/.cache/ray-diloco"
+    return Path(root).expanduser() / "tokens"
+
+
+def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
+    """24 hex digits naming the cache entry of ``path``: the sha256 of the file's bytes, the
+    settings that shape its tokens (text field, document cap, validation fraction) and the
+    tokenizer: the given one's JSON and EOS, or the recipe of ``data.tokenizer`` (``char`` and
+    ``bpe`` are built from the text; a name or path is loaded and its JSON hashed, so a tokenizer
+    changed on disk gets a new entry)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):
+        tokenizer = build_tokenizer(cfg, [])
+    if tokenizer is not None:
+        tok = [hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
+               getattr(tokenizer, "eos_token_id", None)]
+    else:
+        tok = [cfg.tokenizer, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None]
+    recipe = {"version": CACHE_VERSION, "file": h.hexdigest(), "text_field": cfg.text_field,
+              "max_documents": cfg.max_documents, "val_fraction": cfg.val_fraction, "tokenizer": tok}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
+    """The corpus of the local file ``path`` through the cache: the entry ``cache_key`` is a token
+    store (the tail ``val_fraction`` of the stream as its val split, window order ``legacy``)
+    written the first time, opened and loaded into memory every later time (no tokenising). Its
+    splits are in-memory :class:`~ray_diloco.components.token_store.TokenSplit` s read by the same
+    :class:`ShardReader`; the tokens equal those of tokenising in the process, so the fingerprint
+    (sha256 of the int32 streams) and a run's loss are those of before the cache.
+
+    Entries are written under a temporary name and renamed whole (two runs starting together:
+    the first rename wins, the other uses it). A damaged entry is rebuilt; a cache that cannot be
+    written (read-only, disk full) prints one note and the corpus stays in memory.
+
+    Raises:
+        DataError: as :func:`load_texts`, :func:`build_tokenizer`, or a corpus too small for ``seq_len``.
+    """
+    import shutil
+    import tempfile
+
+    from ray_diloco.components.token_store import TokenStore, write_store
+
+    key = cache_key(cfg, path, tokenizer)
+    root = cache_root(cfg)
+    entry = root / key
+    if (entry / "manifest.json").is_file():
+        try:
+            return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
+        except DataError:  # damaged (a file removed or changed): rebuilt below
+            shutil.rmtree(entry, ignore_errors=True)
+    corpus = _tokenized(cfg, tokenizer)
+    tmp = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
+                "source": {"path": str(path), "cache_key": key}}
+        write_store(str(tmp), corpus.tokenizer, corpus.train, corpus.val, meta, vocab_size=corpus.vocab_size)
+        try:
+            os.rename(tmp, entry)
+            tmp = None
+        except OSError:
+            if not (entry / "manifest.json").is_file():  # not another run's finished entry
+                raise
+        return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
+    except (OSError, DataError) as e:
+        print(f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
+              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); it stays in memory", file=sys.stderr)
+        return corpus
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _from_cache(store: Any, tokenizer: Any) -> Corpus:
+    """A cache entry's splits loaded into memory (checked against the manifest's checksums)."""
+    tok = tokenizer if tokenizer is not None else store.tokenizer()
+    train, val = store.split("train").materialize(), store.split("val").materialize()
+    return Corpus(train=train, val=val, vocab_size=len(tok), tokenizer=tok)
 
 
 # ---------------------------------------------------------------------------------------

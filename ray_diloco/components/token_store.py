@@ -398,6 +398,11 @@ class TokenSplit:
                 self._io = _ShardIO(self)
             self._io.prefetch([(self.start + a, self.start + b) for a, b in ranges])
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """``np.asarray(split)``: the whole split (small splits; a large store is read whole)."""
+        out = self.read(0, len(self))
+        return out if dtype is None else out.astype(dtype)
+
     def to_array(self) -> np.ndarray:
         """The whole split as an int32 array (small splits: tests, evaluation)."""
         return self.read(0, len(self)).astype(np.int32)
@@ -484,6 +489,8 @@ class _ShardIO:
             end = min(b, int(offsets[k + 1]))
             parts.append(self._piece(k, a - int(offsets[k]), end - int(offsets[k])))
             a, k = end, k + 1
+        if not parts:
+            return np.zeros(0, dtype=self.s.dtype)
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:

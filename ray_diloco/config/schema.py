@@ -112,6 +112,10 @@ class DataConfig:
     """Tokens per packed training sequence (at most ``model.context``)."""
     val_fraction: float = 0.1
     """Fraction of the token stream (its tail) held out for validation."""
+    cache_dir: str | None = None
+    """Where a local file (``path`` or the bundled corpus) is kept once tokenised, as a token store keyed
+    by the file's sha256, the tokenizer and the settings above, so a restart or resume does not tokenise
+    it again. None: ``$RAY_DILOCO_CACHE``, else ``~/.cache/ray-diloco``."""
 
 
 @dataclass
