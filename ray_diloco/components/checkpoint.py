@@ -1,13 +1,20 @@
-"""Atomic checkpoints of everything an exact resume needs.
+"""Atomic checkpoints of everything an exact resume needs, written by the processes that hold it.
 
-Layout: ``RUN_DIR/checkpoints/step_{outer:06d}/state.pt``. A checkpoint is written into a
-temporary directory next to its final place, flushed to disk, then renamed (atomic on POSIX),
-so a killed process leaves either the whole checkpoint or none. The last ``keep`` are kept.
+Layout: ``RUN_DIR/checkpoints/step_{outer:06d}/``. A checkpoint is written into a temporary
+directory next to its final place (:func:`begin_checkpoint`), flushed to disk, then renamed
+(:func:`finish_checkpoint`, atomic on POSIX), so a killed process leaves either the whole
+checkpoint or none. The last ``keep`` are kept.
 
-``state.pt`` (``torch.save``, numpy arrays stored as tensors, loaded with ``weights_only=True``)
-holds: config, outer state (global parameters and optimiser
-buffers per fragment), every worker's inner-optimiser state, local parameters, data position
-and RNG, step and token counters, and the corpus fingerprint.
+Files (``torch.save``, numpy arrays stored as tensors, loaded with ``weights_only=True``):
+
+* ``worker-{replica}-{rank}.pt``: one worker's state (inner-optimiser state, local parameters,
+  data position, RNG, syncs in flight), written by that worker (:func:`write_state_file`);
+* ``outer.pt``: the outer side's state (global parameters, outer-optimiser buffers per fragment),
+  written by the outer-optimiser driver;
+* ``state.pt``: written last by the job: config, counters, corpus fingerprint, membership, the
+  fragment sizes, and ``{"file": NAME}`` in place of each state above. The job's process never
+  holds the model or its optimiser state. A checkpoint from before this layout holds the states
+  inline in ``state.pt``; :func:`load_checkpoint` reads both.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ray_diloco.errors import CheckpointError
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
+OUTER_FILE = "outer.pt"
 REQUIRED_KEYS = ("format", "outer_step", "config", "counters", "outer", "workers", "corpus_fingerprint")
 
 
@@ -48,8 +56,8 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def _tensors_only(obj: Any) -> Any:
     """Numpy arrays become torch tensors (recursively), so the file loads with ``weights_only``."""
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.array(obj, copy=True))  # object-store arrays are read-only
+    if isinstance(obj, np.ndarray):  # object-store arrays are read-only: copied; others shared
+        return torch.from_numpy(obj if obj.flags.writeable else np.array(obj, copy=True))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
@@ -70,25 +78,84 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` atomically as the checkpoint of ``outer_step``; prune to the last ``keep``.
+def worker_file(replica: int, rank: int) -> str:
+    """The file name of worker ``(replica, rank)``'s state in a checkpoint directory."""
+    return f"worker-{replica}-{rank}.pt"
+
+
+def write_state_file(path: Path, state: dict[str, Any]) -> int:
+    """Write one process's part of a checkpoint to ``path`` atomically (a temporary name in the
+    same directory, fsync, rename). Returns the file's size in bytes.
+
+    Raises:
+        CheckpointError: it cannot be written (disk full, permissions); the temporary file is removed.
+    """
+    try:
+        return _write(Path(path), state)
+    except Exception as e:  # noqa: BLE001 - disk full, permissions, unpicklable state
+        raise CheckpointError(f"checkpoint file {path}: cannot be written ({str(e).splitlines()[0][:160]})") from None
+
+
+def _write(path: Path, state: dict[str, Any]) -> int:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(_tensors_only(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path.stat().st_size
+
+
+def read_state_file(path: Path) -> dict[str, Any]:
+    """One state file of a checkpoint (``weights_only``: a checkpoint is data, loading it never runs
+    code); the flat fp32 fragments (``global``, ``local``) come back as numpy arrays.
+
+    Raises:
+        CheckpointError: missing, truncated or otherwise unreadable file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: file not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path}: corrupt or unreadable ({type(e).__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: not a ray-diloco checkpoint")
+    for key in ("global", "local"):
+        if key in state:
+            state[key] = [t.numpy() for t in state[key]]
+    return state
+
+
+def begin_checkpoint(run_dir: Path, outer_step: int) -> Path:
+    """A new, empty temporary directory for the checkpoint of ``outer_step`` (every writer puts
+    its file there; :func:`finish_checkpoint` makes it the checkpoint)."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-step_{outer_step:06d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` as ``state.pt`` into ``tmp`` (holding the other processes' files), then
+    rename ``tmp`` to the checkpoint of ``outer_step``; prune to the last ``keep``.
 
     Raises:
         CheckpointError: when it cannot be written (the temporary directory is removed, older
             checkpoints are untouched).
     """
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{outer_step:06d}"
-    tmp = root / f".tmp-step_{outer_step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     try:
-        tmp.mkdir()
-        with open(tmp / STATE_FILE, "wb") as f:
-            torch.save(_tensors_only(state), f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(tmp / STATE_FILE, state)
         _fsync_dir(tmp)
     except Exception as e:  # disk full, permissions, unpicklable state: older checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,6 +173,16 @@ def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep:
     for _, p in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def save_checkpoint(run_dir: Path, outer_step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` (every state inline) atomically as the checkpoint of ``outer_step``; prune
+    to the last ``keep``.
+
+    Raises:
+        CheckpointError: when it cannot be written (older checkpoints are untouched).
+    """
+    return finish_checkpoint(run_dir, outer_step, begin_checkpoint(run_dir, outer_step), state, keep)
 
 
 def lock_dir(directory: Path, what: str):
@@ -147,31 +224,37 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load one checkpoint directory (or its ``state.pt``).
+def load_checkpoint(path: Path, lazy: bool = False) -> dict[str, Any]:
+    """Load one checkpoint directory (or its ``state.pt``). The states written by the workers and
+    the driver are read too; with ``lazy`` they stay ``{"file": absolute path}`` (a resume: each
+    process reads its own file, the job's process never holds them).
 
     Raises:
         CheckpointError: missing, truncated or otherwise unreadable file.
     """
     path = Path(path)
     f = path / STATE_FILE if path.is_dir() else path
-    if not f.is_file():
-        raise CheckpointError(f"checkpoint {f}: file not found")
-    try:  # weights_only: a checkpoint is data; loading one must never run code from its pickle
-        state = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {f}: corrupt or unreadable ({type(e).__name__})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {f}: not a ray-diloco checkpoint")
+    state = read_state_file(f)
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {f}: not a complete ray-diloco checkpoint (missing {', '.join(missing)})")
-    # the flat fp32 fragments were numpy arrays when saved: give them back as numpy
-    if state["outer"] is not None:
-        state["outer"]["global"] = [t.numpy() for t in state["outer"]["global"]]
+
+    def resolve(entry: Any) -> Any:
+        if isinstance(entry, dict) and set(entry) == {"file"}:
+            where = f.parent / entry["file"]
+            if not where.is_file():
+                raise CheckpointError(f"checkpoint {where}: file not found")
+            return {"file": str(where)} if lazy else read_state_file(where)
+        return entry
+
+    state["outer"] = resolve(state["outer"])
+    state["workers"] = {k: resolve(w) for k, w in state["workers"].items()}
+    # inline states (a checkpoint from before the per-process files): fragments as numpy
+    if state["outer"] is not None and "global" in state["outer"]:
+        state["outer"]["global"] = [np.asarray(t) for t in state["outer"]["global"]]
     for w in state["workers"].values():
         if "local" in w:
-            w["local"] = [t.numpy() for t in w["local"]]
+            w["local"] = [np.asarray(t) for t in w["local"]]
     return state
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,9 +16,10 @@ from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
 from ray_diloco.models.transformer import ModelFn, resolve_model_shape
 
 
-def check_sizes(fragments: list, params: list[np.ndarray]) -> None:
-    """Raise :class:`CheckpointError` when saved fragments do not fit the model's fragments."""
-    have = [int(np.asarray(p).size) for p in params]
+def check_sizes(fragments: list, params: list[np.ndarray] | list[int]) -> None:
+    """Raise :class:`CheckpointError` when saved fragments (arrays, or their sizes) do not fit the
+    model's fragments."""
+    have = [p if isinstance(p, int) else int(np.asarray(p).size) for p in params]
     want = [f.numel for f in fragments]
     if have != want:
         raise CheckpointError(
@@ -61,39 +62,82 @@ def for_inference(config: Any, tokenizer: Any) -> None:
     config.use_cache = True
 
 
-def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.ndarray], vocab_size: int,
-                     out_dir: Path, tokenizer: Any = None) -> None:
-    """A transformers checkpoint of a preset model without building the model: ``config.json``,
-    ``generation_config.json`` and the parameters as safetensors (``huggingface_hub``'s
-    ``save_torch_state_dict``, sharded at 5 GB like ``save_pretrained``), named as in the
-    model. No model is built (nor its modelling code imported, nor its weights initialised) in
-    the process that exports, which can be the run's driver on a CPU-only head node.
-
-    Args:
-        fragments: the run's fragment plan (names and shapes, exchange order); ``params`` one fp32
-            array ``[numel_p]`` per fragment.
-    """
-    from huggingface_hub import save_torch_state_dict
+def write_hf_config(cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any = None,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """``config.json`` and ``generation_config.json`` of a preset model (its transformers class and
+    shape, special tokens from ``tokenizer``, ``dtype`` the weights' dtype) into ``out_dir``,
+    without building the model."""
     from transformers import GenerationConfig
 
     from ray_diloco.models.transformer import hf_config, resolve_model_shape
 
-    check_sizes(fragments, params)
     shape = resolve_model_shape(cfg.model, vocab_size)
     config = hf_config(shape)
     config.architectures = [ARCHITECTURES[shape["family"]]]
-    config.dtype = torch.float32
+    config.dtype = dtype
     for_inference(config, tokenizer)
     config.save_pretrained(str(out_dir))
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
-    tensors: dict[str, torch.Tensor] = {}
-    for f, arr in zip(fragments, params):
-        flat = np.asarray(arr, dtype=np.float32)
-        off = 0
-        for p in f.params:  # a copy each: safetensors stores whole storages, not views of a fragment
-            tensors[p.name] = torch.tensor(flat[off : off + p.numel]).view(p.shape)
-            off += p.numel
-    save_torch_state_dict(tensors, str(out_dir))
+
+
+def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_dir: Path,
+                     dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> list[str]:
+    """The parameters as safetensors named as in the model, in ``dtype``, written fragment by
+    fragment into shards of at most ``max_shard_bytes`` (``model-00001-of-0000N.safetensors`` and
+    ``model.safetensors.index.json``, as ``save_pretrained`` writes them; one shard:
+    ``model.safetensors``): at most one shard's tensors exist at a time besides ``params``.
+    Returns the files written.
+
+    Args:
+        fragments: the run's fragment plan (names and shapes); ``params`` one fp32 array
+            ``[numel_p]`` per fragment (or a callable ``f -> array``, fetched when needed).
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, f in enumerate(fragments):  # whole fragments per shard, in exchange order
+        b = f.numel * itemsize
+        if groups[-1] and size + b > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += b
+    n = len(groups)
+    names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map, total = {}, 0
+    for name, group in zip(names, groups):
+        tensors: dict[str, torch.Tensor] = {}
+        for i in group:
+            f = fragments[i]
+            flat = np.asarray(params[i](i) if callable(params[i]) else params[i], dtype=np.float32)
+            check_sizes([f], [flat])
+            off = 0
+            for p in f.params:  # a copy each: safetensors stores whole storages, not views of a fragment
+                tensors[p.name] = torch.from_numpy(flat[off : off + p.numel]).to(dtype, copy=True).view(p.shape)
+                off += p.numel
+                weight_map[p.name] = name
+                total += p.numel * itemsize
+        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        del tensors
+    if n > 1:
+        (out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        names.append("model.safetensors.index.json")
+    return names
+
+
+def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.ndarray], vocab_size: int,
+                     out_dir: Path, tokenizer: Any = None, dtype: torch.dtype = torch.float32) -> None:
+    """A transformers checkpoint of a preset model without building the model (nor importing its
+    modelling code, nor initialising its weights): :func:`write_hf_config` and
+    :func:`write_hf_weights`."""
+    check_sizes(fragments, params)
+    write_hf_config(cfg, vocab_size, out_dir, tokenizer, dtype)
+    write_hf_weights(fragments, params, out_dir, dtype)
 
 
 def _save_tokenizer(tokenizer: Any, out_dir: Path, context: int) -> None:
@@ -107,12 +151,22 @@ def _save_tokenizer(tokenizer: Any, out_dir: Path, context: int) -> None:
         tokenizer.model_max_length = before
 
 
-def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokenizer: Any, out_dir: Path,
-                 model_fn: ModelFn | None = None, fragments: list[Fragment] | None = None) -> Path:
+def export_dtype(cfg: Config) -> torch.dtype:
+    """The exported weights' dtype: ``run.export_precision``, else ``run.precision``."""
+    return torch.bfloat16 if (cfg.run.export_precision or cfg.run.precision) == "bf16" else torch.float32
+
+
+def export_model(cfg: Config, params: list[np.ndarray] | Callable[[], list[np.ndarray]], vocab_size: int,
+                 tokenizer: Any, out_dir: Path, model_fn: ModelFn | None = None,
+                 fragments: list[Fragment] | None = None,
+                 write_weights: Callable[[Path, torch.dtype], bool] | None = None) -> Path:
     """Write the global model atomically (a ``.tmp`` directory renamed): a transformers checkpoint
     (+ tokenizer) for the presets, so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it
-    (:func:`write_pretrained` when the run's ``fragments`` are given, else the model's own
-    ``save_pretrained``); ``model.pt`` (the state dict) for a ``model_fn`` model."""
+    (when the run's ``fragments`` are given: :func:`write_hf_config` here and the weights in
+    :func:`export_dtype` by ``write_weights(dir, dtype)``, the process holding them, or when it
+    returns False by :func:`write_hf_weights` here; else the model's own ``save_pretrained``, fp32);
+    ``model.pt`` (the state dict) for a ``model_fn`` model. ``params``: one fp32 array per
+    fragment, or a callable fetching them (called only when this process writes the weights)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -122,11 +176,14 @@ def export_model(cfg: Config, params: list[np.ndarray], vocab_size: int, tokeniz
     # the tokenizer's model_max_length: the preset's context, or the sequence length a model_fn model trained on
     context = cfg.data.seq_len if model_fn is not None else resolve_model_shape(cfg.model, vocab_size)["context"]
     if model_fn is None and fragments is not None:
-        write_pretrained(cfg, fragments, params, vocab_size, tmp, tokenizer)
+        dtype = export_dtype(cfg)
+        write_hf_config(cfg, vocab_size, tmp, tokenizer, dtype)
+        if write_weights is None or not write_weights(tmp, dtype):
+            write_hf_weights(fragments, params() if callable(params) else params, tmp, dtype)
         if tokenizer is not None:
             _save_tokenizer(tokenizer, tmp, context)
     else:
-        model = model_with_params(cfg, params, vocab_size, model_fn)
+        model = model_with_params(cfg, params() if callable(params) else params, vocab_size, model_fn)
         if hasattr(model, "save_pretrained"):
             if getattr(model, "config", None) is not None and tokenizer is not None:
                 for_inference(model.config, tokenizer)

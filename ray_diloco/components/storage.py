@@ -122,8 +122,9 @@ class Mirror:
         try:
             local = {p.name: p for _, p in list_checkpoints(self.run_dir)}
             for name, p in local.items():  # oldest first: the newest is written last
-                if name not in self._uploaded:
-                    _put(self.fs, p / STATE_FILE, f"{self.path}/checkpoints/{name}/{STATE_FILE}")
+                if name not in self._uploaded:  # the workers' and driver's files, then state.pt: it marks it complete
+                    for f in sorted(p.iterdir(), key=lambda f: f.name == STATE_FILE):
+                        _put(self.fs, f, f"{self.path}/checkpoints/{name}/{f.name}")
                     self._uploaded.add(name)
             for info in _listing(self.fs, f"{self.path}/checkpoints"):
                 if info.base_name not in local and info.base_name.startswith("step_"):
@@ -176,7 +177,9 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
             target = local / "checkpoints" / newest
             tmp = local / "checkpoints" / f".tmp-{newest}"  # removed by remove_partial_checkpoints if killed
             tmp.mkdir(parents=True, exist_ok=True)
-            _get_file(fs, f"{path}/checkpoints/{newest}/{STATE_FILE}", tmp / STATE_FILE)
+            for sub in _listing(fs, f"{path}/checkpoints/{newest}"):  # state.pt and the processes' files
+                if sub.type == pafs.FileType.File:
+                    _get_file(fs, sub.path, tmp / sub.base_name)
             tmp.rename(target)
     except CheckpointError:
         raise

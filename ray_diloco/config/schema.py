@@ -298,6 +298,9 @@ class RunConfig:
     """torch deterministic algorithms: a bitwise-reproducible resume."""
     precision: Precision = "fp32"
     """``fp32`` or ``bf16`` (autocast; the outer state stays fp32)."""
+    export_precision: Precision | None = None
+    """dtype of the exported model's safetensors (``final/``): ``fp32`` or ``bf16``; None: ``precision``'s.
+    The outer-optimiser driver writes them fragment by fragment: the job's process never holds the model."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
     (transformers' activation checkpointing, non-reentrant): less memory, about a third more compute."""

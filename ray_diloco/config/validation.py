@@ -228,6 +228,8 @@ def _check_run(cfg: Config, e: list[str]) -> None:
           "run.name", r.name, "must be a plain directory name (no path separators)")
     _need(e, r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be an integer >= 1")
     _one_of(e, "run.precision", r.precision, PRECISIONS)
+    if r.export_precision is not None:
+        _one_of(e, "run.export_precision", r.export_precision, PRECISIONS)
 
 
 def _check_tracking(cfg: Config, e: list[str]) -> None:

@@ -137,7 +137,7 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
         cfg = load_config(run_dir / "config.yaml", overrides)
         ckpts = list_checkpoints(run_dir)
         if ckpts:
-            state = load_checkpoint(ckpts[-1][1])
+            state = load_checkpoint(ckpts[-1][1], lazy=True)  # each process reads its own state file
             saved = checkpoint_config(state)
             pin_model_fields(cfg.model, recorded_before_pinning=True)  # config.yaml of a run from before: its shape
             _check_resumable(cfg, saved)
@@ -333,8 +333,10 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
 def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | None) -> dict[str, Any]:
     """Export the global model to ``RUN_DIR/final`` and return the run's summary."""
     run, st, run_dir = trainer.cfg, trainer.state, trainer.run_dir
-    export_dir = export_model(run, trainer.global_params(), trainer.corpus.vocab_size, trainer.corpus.tokenizer,
-                              run_dir / "final", trainer.model_fn, trainer.fragments)
+    trainer.settle()
+    export_dir = export_model(run, trainer.global_params, trainer.corpus.vocab_size, trainer.corpus.tokenizer,
+                              run_dir / "final", trainer.model_fn, trainer.fragments,
+                              lambda out, dtype: trainer.sync.export_weights(trainer, out, dtype))
     return {
         "final_eval_loss": st.last_eval,
         "evals": st.evals,

@@ -25,6 +25,7 @@ import socket
 import time
 from contextlib import nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,20 +107,21 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
     return model, device, problem
 
 
-def to_host(obj: Any) -> Any:
+def to_host(obj: Any, copy_tensors: bool = True) -> Any:
     """A copy of a (nested dict/list/tuple) state with every tensor detached and copied to host
     memory (what leaves a worker: the job's process may have no GPU), a DTensor (FSDP) as its
-    local shard. Other values are deep-copied."""
+    local shard. Other values are deep-copied. ``copy_tensors=False``: host tensors are kept as
+    they are (a state written to a file at once: no second copy of the optimiser state)."""
     from torch.distributed.tensor import DTensor  # here: importing it takes ~1 s, most workers never need it
 
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to("cpu", copy=copy_tensors)
     if isinstance(obj, dict):
-        return {k: to_host(v) for k, v in obj.items()}
+        return {k: to_host(v, copy_tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_host(v) for v in obj)
+        return type(obj)(to_host(v, copy_tensors) for v in obj)
     return copy.deepcopy(obj)
 
 
@@ -233,7 +235,7 @@ class WorkerState:
             fragment //= self.world_size
         self.sync.load_global(fragment, fetch_global(global_p), version)
 
-    def state_dict(self, full: bool = True) -> dict[str, Any]:
+    def state_dict(self, full: bool = True, copy_tensors: bool = True) -> dict[str, Any]:
         """Data position and RNG of this worker and its sync state (``last_send``, ``pending``,
         ``comm``: ``core.sync.FragmentSync.state_dict``); with ``full`` also its inner-optimiser
         state, local parameters (identical on every rank of a replica, so only rank 0 sends them)
@@ -244,7 +246,7 @@ class WorkerState:
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if full:
-            state["optimizer"] = to_host(self.optimizer.state_dict())
+            state["optimizer"] = to_host(self.optimizer.state_dict(), copy_tensors)
             state["local"] = [flatten(self.params, f).numpy() for f in self.sync_fragments]
         return state
 
@@ -264,6 +266,42 @@ class WorkerState:
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.sync.load_state_dict(state)
+
+
+    def save_state(self, path: str, full: bool = True) -> dict[str, Any]:
+        """Write :meth:`state_dict` (``full`` as there) to ``path``, a file of a checkpoint's
+        temporary directory, from this process: the state never travels to the job's process.
+        Returns ``{"file", "bytes", "node"}`` (the job checks it sees the file: a run directory
+        that other nodes cannot see falls back to :meth:`state_dict`), or ``{"error": line}`` when
+        the file cannot be written (disk full: the job fails the checkpoint, not this replica)."""
+        from ray_diloco.components.checkpoint import write_state_file
+        from ray_diloco.errors import CheckpointError
+
+        try:
+            size = write_state_file(Path(path), self.state_dict(full, copy_tensors=False))  # written before training resumes
+        except CheckpointError as e:
+            return {"error": str(e)}
+        return {"file": Path(path).name, "bytes": size, "node": ray.get_runtime_context().get_node_id()}
+
+    def restore_state(self, own: str | dict[str, Any], full: str | dict[str, Any] | None = None) -> bool:
+        """:meth:`load_state_dict` from this worker's state in a checkpoint: ``own`` is its file
+        (read here, not in the job's process: a resume) or the state itself; ``full`` (a file or a
+        state) holds the inner-optimiser state and local parameters when ``own`` has none (a DDP
+        rank > 0 takes its replica's rank 0's). Returns False, loading nothing, when a file is not
+        visible from this node (the job then reads it and sends the state).
+
+        Raises:
+            CheckpointError: a file is unreadable."""
+        from ray_diloco.components.checkpoint import read_state_file
+
+        if any(isinstance(x, str) and not Path(x).is_file() for x in (own, full)):
+            return False
+        state = read_state_file(Path(own)) if isinstance(own, str) else dict(own)
+        if full is not None:
+            full = read_state_file(Path(full)) if isinstance(full, str) else full
+            state["optimizer"], state["local"] = full["optimizer"], full["local"]
+        self.load_state_dict(state)
+        return True
 
 
 class ReplicaWorker(WorkerState):

@@ -19,6 +19,7 @@ slow link.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -118,6 +119,17 @@ class SyncStrategy:
         """The sync side's state for a checkpoint (``"outer"``)."""
         return None
 
+    def save_state(self, path: Path) -> dict[str, Any] | None:
+        """Write :meth:`state_dict` to ``path`` from the process that holds it; returns
+        ``{"file", "bytes", "node"}``, or None when there is no sync-side state."""
+        return None
+
+    def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
+        """Have the process holding the global parameters write them as the exported model's
+        safetensors into ``out_dir`` (torch ``dtype``); False when this strategy has none such
+        or the files are not visible here (the job's process then writes them)."""
+        return False
+
     def global_params(self, trainer: Any) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment."""
         raise NotImplementedError
@@ -185,12 +197,19 @@ class DiLoCoSync(SyncStrategy):
         self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
                                      c.streaming.closing_round)
         r0, units = trainer.replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
-        initial = rs["outer"]["global"] if rs is not None else \
-            [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
-        ray.get(self.driver.init_global.remote(initial))
+        if rs is not None and "file" in rs["outer"] and ray.get(self.driver.load_state_file.remote(rs["outer"]["file"])):
+            pass  # the checkpoint's outer.pt, read by the driver itself
+        else:
+            if rs is not None and "file" in rs["outer"]:  # not visible from the driver's node: read here
+                from ray_diloco.components.checkpoint import read_state_file
+
+                rs = {**rs, "outer": read_state_file(Path(rs["outer"]["file"]))}
+            initial = rs["outer"]["global"] if rs is not None else \
+                [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
+            ray.get(self.driver.init_global.remote(initial))
+            if rs is not None:
+                ray.get(self.driver.load_state_dict.remote(rs["outer"]))
         trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
-        if rs is not None:
-            ray.get(self.driver.load_state_dict.remote(rs["outer"]))
         workers = all_workers(trainer.replicas)
         ray.get([w.attach.remote(self.driver, self.schedule) for w in workers])
         globals_ = ray.get(self.driver.global_refs.remote())
@@ -244,6 +263,26 @@ class DiLoCoSync(SyncStrategy):
         import ray
 
         return ray.get(self.driver.state_dict.remote())
+
+    def save_state(self, path: Path) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.driver.save_state.remote(str(path)))
+
+    def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
+        import ray
+        import torch
+
+        precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+        files = ray.get(self.driver.export_weights.remote(str(out_dir), trainer.fragments, self.cfg.exchange_units,
+                                                          precision))
+        seen = all((out_dir / f).is_file() and (out_dir / f).stat().st_size == n for f, n in files.items())
+        if not seen:
+            trainer.log(f"note: the outer-optimiser driver's node does not share {out_dir.parent}: "
+                        "the exported weights are written by this process")
+            for f in files:
+                (out_dir / f).unlink(missing_ok=True)
+        return seen
 
     def global_params(self, trainer: Any) -> list[np.ndarray]:
         import ray

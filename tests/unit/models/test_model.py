@@ -53,6 +53,40 @@ def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(fam
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
+def test_bf16_export_in_several_shards_loads_in_transformers(tmp_path):
+    """``write_hf_weights`` in bf16 with a small shard limit: several ``model-0000k-of-0000n``
+    files and the index, as ``save_pretrained`` writes them; ``from_pretrained`` loads every
+    parameter as the bf16 rounding of the fp32 one, and the logits follow the fp32 model's."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from ray_diloco.components.export import write_hf_config, write_hf_weights
+    from ray_diloco.config import load_config
+    from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
+
+    cfg = load_config({"model": {"family": "qwen3", "n_layers": 3, "n_heads": 2, "d_model": 32, "d_ff": 64,
+                                 "context": 16}, "data": {"seq_len": 16}, "run": {"precision": "bf16"}})
+    torch.manual_seed(0)
+    model = build_transformers_model(resolve_model_shape(cfg.model, 50)).eval()
+    frags = plan_fragments(param_specs(model), 3)
+    named = dict(model.named_parameters())
+    write_hf_config(cfg, 50, tmp_path, None, torch.bfloat16)
+    names = write_hf_weights(frags, [flatten(named, f).detach().numpy() for f in frags], tmp_path, torch.bfloat16,
+                             max_shard_bytes=20_000)
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) >= 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(named) and set(index["weight_map"].values()) == set(shards)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert loaded.dtype == torch.bfloat16
+    for k, v in loaded.named_parameters():
+        assert torch.equal(v, named[k].detach().to(torch.bfloat16)), k
+    x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(loaded(x).logits.float(), model(x).logits, atol=0.05)
+
+
 def test_scaling_law_presets_match_the_paper_table_and_their_names_parameters():
     """Layers, heads and width are the paper's (arXiv 2503.09799, section 3); the SwiGLU width is 2/3
     of its FFN (rounded to 128), embeddings tied: at its 32768 vocabulary each size has its name's
