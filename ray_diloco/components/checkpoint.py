@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ from ray_diloco.errors import CheckpointError
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
 OUTER_FILE = "outer.pt"
+#: A token the job writes into a checkpoint's temporary directory: writers that do not read it
+#: there do not share the run directory (their state goes through the job).
+MARKER = ".writers"
 REQUIRED_KEYS = ("format", "outer_step", "config", "counters", "outer", "workers", "corpus_fingerprint")
 
 
@@ -57,7 +61,8 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def _tensors_only(obj: Any) -> Any:
     """Numpy arrays become torch tensors (recursively), so the file loads with ``weights_only``."""
     if isinstance(obj, np.ndarray):  # object-store arrays are read-only: copied; others shared
-        return torch.from_numpy(obj if obj.flags.writeable else np.array(obj, copy=True))
+        shared = obj.flags.writeable and obj.flags.c_contiguous and obj.dtype.isnative
+        return torch.from_numpy(obj if shared else np.array(obj, dtype=obj.dtype.newbyteorder("="), order="C"))
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
@@ -93,7 +98,12 @@ def write_state_file(path: Path, state: dict[str, Any]) -> int:
     try:
         return _write(Path(path), state)
     except Exception as e:  # noqa: BLE001 - disk full, permissions, unpicklable state
-        raise CheckpointError(f"checkpoint file {path}: cannot be written ({str(e).splitlines()[0][:160]})") from None
+        raise CheckpointError(f"checkpoint file {path}: cannot be written ({_reason(e)})") from None
+
+
+def _reason(e: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none), at most 160 characters."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:160]
 
 
 def _write(path: Path, state: dict[str, Any]) -> int:
@@ -133,15 +143,61 @@ def read_state_file(path: Path) -> dict[str, Any]:
 
 
 def begin_checkpoint(run_dir: Path, outer_step: int) -> Path:
-    """A new, empty temporary directory for the checkpoint of ``outer_step`` (every writer puts
-    its file there; :func:`finish_checkpoint` makes it the checkpoint)."""
-    root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    """A new, empty temporary directory for the checkpoint of ``outer_step``, as an absolute path
+    (the other processes' working directories differ from this one's): every writer puts its
+    file there; :func:`finish_checkpoint` makes it the checkpoint.
+
+    Raises:
+        CheckpointError: it cannot be made (permissions, disk full)."""
+    root = checkpoint_dir(run_dir).resolve()
     tmp = root / f".tmp-step_{outer_step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {root / f'step_{outer_step:06d}'}: cannot be written ({_reason(e)})") from None
     return tmp
+
+
+def place_marker(directory: Path) -> str:
+    """Write a new random token into ``directory/.writers`` and return it: a process that reads the
+    same token there (:func:`sees_marker`) sees this directory (a shared file system)."""
+    token = uuid.uuid4().hex
+    (Path(directory) / MARKER).write_text(token)
+    return token
+
+
+def sees_marker(directory: Path | str, token: str) -> bool:
+    """Whether this process sees ``directory`` with the token of :func:`place_marker` in it."""
+    try:
+        return (Path(directory) / MARKER).read_text() == token
+    except OSError:
+        return False
+
+
+def visible_file(entry: dict[str, Any] | str) -> bool:
+    """Whether this process sees the file a checkpoint names (``{"file": path, "bytes": size}``,
+    or a path): it exists with the recorded size."""
+    path, size = (entry, None) if isinstance(entry, str) else (entry["file"], entry.get("bytes"))
+    path = Path(path)
+    return path.is_file() and (size is None or path.stat().st_size == size)
+
+
+def read_own_state(entry: dict[str, Any] | str, checkpoint_id: str | None) -> dict[str, Any] | None:
+    """The state in a checkpoint's file (``{"file", "bytes"}`` or a path), or None when this
+    process does not see it or it belongs to another checkpoint (its ``checkpoint_id``: a stale
+    file of the same name in another directory); the caller then gets the state another way.
+
+    Raises:
+        CheckpointError: the file is unreadable."""
+    if not visible_file(entry):
+        return None
+    state = read_state_file(Path(entry if isinstance(entry, str) else entry["file"]))
+    if checkpoint_id is not None and state.get("checkpoint_id", checkpoint_id) != checkpoint_id:
+        return None
+    return state
 
 
 def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str, Any], keep: int) -> Path:
@@ -154,13 +210,18 @@ def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str
     """
     root = checkpoint_dir(run_dir)
     final = root / f"step_{outer_step:06d}"
+    named = {e["file"] for e in [state.get("outer"), *state.get("workers", {}).values()]
+             if isinstance(e, dict) and "file" in e}
+    for p in tmp.iterdir():  # the marker, files of replicas lost meanwhile, a killed writer's temporary
+        if p.name not in named:
+            p.unlink() if not p.is_dir() else shutil.rmtree(p, ignore_errors=True)
     try:
         _write(tmp / STATE_FILE, state)
         _fsync_dir(tmp)
     except Exception as e:  # disk full, permissions, unpicklable state: older checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
         free_mb = shutil.disk_usage(root).free / 2**20
-        raise CheckpointError(f"checkpoint {final}: cannot be written ({str(e).splitlines()[0][:160]}; "
+        raise CheckpointError(f"checkpoint {final}: cannot be written ({_reason(e)}; "
                               f"{free_mb:,.0f} MiB free on that disk)") from None
     if final.exists():  # re-saving the same step (after a resume): replace it whole
         old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
@@ -226,8 +287,8 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
 
 def load_checkpoint(path: Path, lazy: bool = False) -> dict[str, Any]:
     """Load one checkpoint directory (or its ``state.pt``). The states written by the workers and
-    the driver are read too; with ``lazy`` they stay ``{"file": absolute path}`` (a resume: each
-    process reads its own file, the job's process never holds them).
+    the driver are read too; with ``lazy`` they stay ``{"file": absolute path, "bytes": size}`` (a
+    resume: each process reads its own file, the job's process never holds them).
 
     Raises:
         CheckpointError: missing, truncated or otherwise unreadable file.
@@ -240,11 +301,11 @@ def load_checkpoint(path: Path, lazy: bool = False) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {f}: not a complete ray-diloco checkpoint (missing {', '.join(missing)})")
 
     def resolve(entry: Any) -> Any:
-        if isinstance(entry, dict) and set(entry) == {"file"}:
-            where = f.parent / entry["file"]
+        if isinstance(entry, dict) and "file" in entry:
+            where = (f.parent / entry["file"]).resolve()
             if not where.is_file():
                 raise CheckpointError(f"checkpoint {where}: file not found")
-            return {"file": str(where)} if lazy else read_state_file(where)
+            return {**entry, "file": str(where)} if lazy else read_state_file(where)
         return entry
 
     state["outer"] = resolve(state["outer"])
@@ -263,7 +324,10 @@ def global_params(state: dict[str, Any]) -> list[np.ndarray]:
     An FSDP run's outer state holds W parts per fragment (``exchange_units`` W, fragment specs in
     ``fragments``): they are joined (``core.shards.join_rank_parts``)."""
     if not state.get("outer"):
-        return state["workers"][(0, 0)]["local"]
+        w0 = state["workers"][(0, 0)]
+        return read_state_file(Path(w0["file"]))["local"] if "file" in w0 else w0["local"]
+    if "file" in state["outer"]:  # a lazily loaded checkpoint: only outer.pt is read
+        state = {**state, "outer": read_state_file(Path(state["outer"]["file"]))}
     from ray_diloco.core.fragments import Fragment, ParamSpec
     from ray_diloco.core.shards import join_units
 

@@ -310,9 +310,12 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
     ``bpe`` are built from the text; a name or path is loaded and its JSON hashed, so a tokenizer
     changed on disk gets a new entry)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    except OSError as e:
+        raise DataError(f"data.path = {str(path)!r}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):
         tokenizer = build_tokenizer(cfg, [])
     if tokenizer is not None:
@@ -320,7 +323,8 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
                getattr(tokenizer, "eos_token_id", None)]
     else:
         tok = [cfg.tokenizer, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None]
-    recipe = {"version": CACHE_VERSION, "file": h.hexdigest(), "text_field": cfg.text_field,
+    recipe = {"version": CACHE_VERSION, "file": h.hexdigest(), "format": _BUILDERS[path.suffix.lower()],
+              "text_field": cfg.text_field,
               "max_documents": cfg.max_documents, "val_fraction": cfg.val_fraction, "tokenizer": tok}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -345,9 +349,20 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
 
     from ray_diloco.components.token_store import TokenStore, write_store
 
+    if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
+        return _tokenized(cfg, tokenizer)  # a slow (Python) tokenizer: no JSON to key the cache by
     key = cache_key(cfg, path, tokenizer)
     root = cache_root(cfg)
     entry = root / key
+    if tokenizer is not None and not (entry / "manifest.json").is_file() and cfg.tokenizer in ("char", "bpe"):
+        recipe = root / cache_key(cfg, path)  # a resume: the entry its first run wrote, when the tokenizer is that one
+        if (recipe / "manifest.json").is_file():
+            try:
+                store = TokenStore(str(recipe), "data.cache_dir")
+                if store.tokenizer().backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str():
+                    entry = recipe
+            except DataError:
+                pass
     if (entry / "manifest.json").is_file():
         try:
             return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
@@ -370,7 +385,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
         return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
     except (OSError, DataError) as e:
         print(f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
-              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); it stays in memory", file=sys.stderr)
+              f"({(str(e).splitlines() or [type(e).__name__])[0]}); it stays in memory", file=sys.stderr)
         return corpus
     finally:
         if tmp is not None:

@@ -88,7 +88,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, co
         if step not in found:
             raise CheckpointError(f"--step {step}: no such checkpoint in {run_dir} (have: {sorted(found) or 'none'})")
         path = found[step]
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, lazy=True)  # global_params reads outer.pt only, not the workers' files
     cfg = checkpoint_config(state)
     if corpus is None:
         corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
@@ -123,7 +123,7 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
             raise CheckpointError(f"exported model {final}: cannot be loaded ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:200]})") from None
     else:
-        state = load_checkpoint(latest_checkpoint(run_dir)[1])
+        state = load_checkpoint(latest_checkpoint(run_dir)[1], lazy=True)
         model = model_from_checkpoint(state, len(tok), model_fn, run_dir)
     model.eval()
     try:

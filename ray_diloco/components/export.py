@@ -82,9 +82,9 @@ def write_hf_config(cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any 
 
 def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_dir: Path,
                      dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> list[str]:
-    """The parameters as safetensors named as in the model, in ``dtype``, written fragment by
-    fragment into shards of at most ``max_shard_bytes`` (``model-00001-of-0000N.safetensors`` and
-    ``model.safetensors.index.json``, as ``save_pretrained`` writes them; one shard:
+    """The parameters as safetensors named as in the model, in ``dtype``, in shards of at most
+    ``max_shard_bytes`` (whole parameters in exchange order; ``model-00001-of-0000N.safetensors``
+    and ``model.safetensors.index.json``, as ``save_pretrained`` writes them; one shard:
     ``model.safetensors``): at most one shard's tensors exist at a time besides ``params``.
     Returns the files written.
 
@@ -97,30 +97,32 @@ def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_di
     from safetensors.torch import save_file
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    groups: list[list[int]] = [[]]
+    groups: list[list[tuple[int, int, Any]]] = [[]]  # (fragment, offset in it, param), shard by shard
     size = 0
-    for i, f in enumerate(fragments):  # whole fragments per shard, in exchange order
-        b = f.numel * itemsize
-        if groups[-1] and size + b > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += b
+    for i, f in enumerate(fragments):
+        off = 0
+        for p in f.params:  # in exchange order; a shard ends before the parameter that would pass the limit
+            b = p.numel * itemsize
+            if groups[-1] and size + b > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append((i, off, p))
+            size += b
+            off += p.numel
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    flat: dict[int, np.ndarray] = {}
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
         tensors: dict[str, torch.Tensor] = {}
-        for i in group:
-            f = fragments[i]
-            flat = np.asarray(params[i](i) if callable(params[i]) else params[i], dtype=np.float32)
-            check_sizes([f], [flat])
-            off = 0
-            for p in f.params:  # a copy each: safetensors stores whole storages, not views of a fragment
-                tensors[p.name] = torch.from_numpy(flat[off : off + p.numel]).to(dtype, copy=True).view(p.shape)
-                off += p.numel
-                weight_map[p.name] = name
-                total += p.numel * itemsize
+        for i, off, p in group:
+            if i not in flat:  # one fragment's values at a time
+                flat = {i: np.asarray(params[i](i) if callable(params[i]) else params[i], dtype=np.float32)}
+                check_sizes([fragments[i]], [flat[i]])
+            # a copy each: safetensors stores whole storages, not views of a fragment
+            tensors[p.name] = torch.from_numpy(flat[i][off : off + p.numel]).to(dtype, copy=True).view(p.shape)
+            weight_map[p.name] = name
+            total += p.numel * itemsize
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
         del tensors
     if n > 1:

@@ -45,8 +45,13 @@ OBJECT_STORE_BYTES = 512 << 20
 EOS = "<|endoftext|>"
 #: CPUs reserved by a read task (the tokenizer actors hold one each: reads must still be scheduled).
 READ_CPUS = 0.25
-#: CPUs reserved by a tokenizer actor.
-ACTOR_CPUS = 0.75
+#: Read tasks at a time per 8 CPUs of the cluster, at least 2 (each holds one input file or Parquet
+#: row group in memory; one reader parses far faster than 8 tokenizer actors consume).
+READ_TASKS_PER_8_CPUS = 1
+#: CPUs reserved by a tokenizer actor (a reservation, not a limit: each actor's tokenizer uses every
+#: core it gets). Half a CPU each leaves whole CPUs for Ray Data's own 1-CPU tasks: with 0.75, a
+#: Parquet source on a 2-CPU cluster waited forever for one.
+ACTOR_CPUS = 0.5
 
 
 @dataclass
@@ -136,13 +141,16 @@ def resolve_sources(sources: list[str]) -> tuple[Any, list[str], list[int], str]
 
 def _read(fs: Any, paths: list[str], kind: str, opts: PrepareOptions):
     """The Ray Data dataset of the source files (rows in file order; text files: a row per line)."""
+    import ray
     import ray.data
 
+    readers = max(2, int(ray.cluster_resources().get("CPU", 2)) // 8 * READ_TASKS_PER_8_CPUS)
     if kind == "text":
         return ray.data.read_text(paths, filesystem=fs, drop_empty_lines=False, include_paths=True,
-                                  num_cpus=READ_CPUS)
+                                  num_cpus=READ_CPUS, concurrency=readers)
     read = ray.data.read_json if kind == "json" else ray.data.read_parquet
-    return read(paths, filesystem=fs, include_paths=True, num_cpus=READ_CPUS)  # JSON: pyarrow's newline-delimited reader
+    return read(paths, filesystem=fs, include_paths=True, num_cpus=READ_CPUS,  # JSON: pyarrow's newline-delimited reader
+                concurrency=readers)
 
 
 def _hub(opts: PrepareOptions, skip_rows: int):
@@ -173,8 +181,8 @@ def _hub(opts: PrepareOptions, skip_rows: int):
 
 
 def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE") -> list[str]:
-    """The first ``limit`` bytes of text of ``ds`` (a bounded sample, streamed; one pass over the
-    source's first rows, which also checks ``column``).
+    """The first ``limit`` characters of text of ``ds`` (a bounded sample, streamed; one pass over
+    the source's first rows, which also checks ``column``).
 
     Raises:
         DataError: the source has no rows, or no column ``column``.
@@ -322,17 +330,23 @@ def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
     into every file, up to its object-store cap, for a sample it then drops)."""
     if opts.dataset:
         desc = {"dataset": opts.dataset, "config": opts.dataset_config, "split": opts.split, "lines": False}
-        return (lambda cursor, sample_bytes=None: _hub(opts, cursor.get("rows", 0))), desc
+
+        def hub(cursor: dict[str, Any], sample_bytes: int | None = None):
+            return _hub(opts, cursor.get("rows", 0))
+
+        hub.whole = lambda sample_bytes: True  # type: ignore[attr-defined]  # a sample streams the source itself
+        return hub, desc
     fs, paths, sizes, kind = resolve_sources(opts.sources)
     desc = {"files": paths, "bytes": sizes, "format": kind, "lines": kind == "text", "sources": opts.sources}
 
+    def first(sample_bytes: int) -> int:  # files holding twice the sample's bytes (JSON: more bytes than text)
+        return int(np.searchsorted(np.cumsum(sizes), 2 * sample_bytes)) + 1
+
     def make(cursor: dict[str, Any], sample_bytes: int | None = None):
-        todo = paths[cursor.get("files_done", 0):]
-        if sample_bytes is not None:
-            covered = np.cumsum(sizes)
-            todo = paths[: int(np.searchsorted(covered, 2 * sample_bytes)) + 1]  # JSON: more bytes than text
+        todo = paths[: first(sample_bytes)] if sample_bytes is not None else paths[cursor.get("files_done", 0):]
         return _read(fs, todo, kind, opts)
 
+    make.whole = lambda sample_bytes: first(sample_bytes) >= len(paths)  # type: ignore[attr-defined]
     return make, desc
 
 
@@ -341,9 +355,10 @@ def _sample_bytes(opts: PrepareOptions) -> int:
     return SAMPLE_BYTES if opts.tokenizer in ("char", "bpe") else 1
 
 
-def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, ds: Any, column: str):
+def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column: str):
     """The run's tokenizer: the one a killed prepare saved in the store, else a new one (a sample
-    read from ``ds``, whose ``column`` is checked)."""
+    read from the first files of ``make``'s source, or from all of them when those hold no rows or
+    less text than the sample; ``column`` is checked)."""
     from ray_diloco.components.data import load_saved_tokenizer
     from ray_diloco.components.token_store import TOKENIZER_DIR
 
@@ -351,8 +366,15 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, ds: Any, column: s
         local = writer.loc.get_dir(TOKENIZER_DIR, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
                                    Path(__import__("tempfile").mkdtemp(prefix="ray-diloco-tok-")))
         return load_saved_tokenizer(local)
-    sample = _sample(ds, column, _sample_bytes(opts),
-                     f"SOURCE {opts.dataset or ', '.join(opts.sources)}")
+    what, limit = f"SOURCE {opts.dataset or ', '.join(opts.sources)}", _sample_bytes(opts)
+    try:
+        sample = _sample(make({}, limit), column, limit, what)
+    except DataError as e:
+        if not str(e).endswith("no rows") or make.whole(limit):
+            raise
+        sample = []
+    if sum(map(len, sample)) < limit and not make.whole(limit):  # the first files were short or rowless
+        sample = _sample(make({}), column, limit, what)
     tok = build_prepare_tokenizer(opts.tokenizer, sample, opts.bpe_vocab_size)
     import tempfile
 
@@ -424,7 +446,7 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
 
     column = "text" if desc["lines"] else opts.text_field
     writer = StoreWriter(opts.out, 1 << 16, opts.shard_tokens)  # vocabulary set below
-    tok = _tokenizer_for(opts, writer, make({}, _sample_bytes(opts)), column)
+    tok = _tokenizer_for(opts, writer, make, column)
     from ray_diloco.components.token_store import dtype_for
 
     tok_json = tok.backend_tokenizer.to_str()

@@ -6,8 +6,9 @@ written there atomically). When ``run.storage_path`` is a URI (``s3://bucket/run
 the run directory is mirrored to ``storage_path/NAME``:
 
 - after every checkpoint: ``config.yaml``, ``metrics.jsonl``, the tokenizer, the W&B run id and
-  each new checkpoint (one ``state.pt`` object per checkpoint: a single PUT, so a checkpoint is
-  on the storage whole or not at all); checkpoints pruned locally are deleted there too;
+  each new checkpoint (the workers' and the driver's files first, ``state.pt`` last: a checkpoint
+  without ``state.pt`` there is never resumed from, and one uploaded again loses its ``state.pt``
+  first); checkpoints pruned locally are deleted there too;
 - at the end: ``summary.json`` and the exported model (``final/``).
 
 ``ray-diloco train --resume s3://bucket/runs/NAME`` downloads what a resume needs (config,
@@ -117,14 +118,20 @@ class Mirror:
     def sync(self, final: bool = False) -> bool:
         """Upload new checkpoints and the run files (and, when ``final``, the summary and the
         exported model); delete checkpoints no longer kept locally. Returns True on success."""
+        import pyarrow.fs as pafs
+
         from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints
 
         try:
             local = {p.name: p for _, p in list_checkpoints(self.run_dir)}
             for name, p in local.items():  # oldest first: the newest is written last
                 if name not in self._uploaded:  # the workers' and driver's files, then state.pt: it marks it complete
-                    for f in sorted(p.iterdir(), key=lambda f: f.name == STATE_FILE):
-                        _put(self.fs, f, f"{self.path}/checkpoints/{name}/{f.name}")
+                    remote = f"{self.path}/checkpoints/{name}"
+                    if self.fs.get_file_info(f"{remote}/{STATE_FILE}").type == pafs.FileType.File:
+                        self.fs.delete_file(f"{remote}/{STATE_FILE}")  # re-uploaded: not complete until the end
+                    for f in sorted((f for f in p.iterdir() if not f.name.startswith(".")),
+                                    key=lambda f: f.name == STATE_FILE):
+                        _put(self.fs, f, f"{remote}/{f.name}")
                     self._uploaded.add(name)
             for info in _listing(self.fs, f"{self.path}/checkpoints"):
                 if info.base_name not in local and info.base_name.startswith("step_"):

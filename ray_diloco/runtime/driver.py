@@ -435,50 +435,57 @@ class _DriverReads:
                     "stats": copy.deepcopy(self.stats)})
         return out
 
-    async def save_state(self, path: str) -> dict[str, Any]:
-        """Write :meth:`state_dict` to ``path`` (a checkpoint's ``outer.pt``) from this process, on
-        a thread (pings are answered meanwhile). Returns ``{"file", "bytes", "node"}``.
+    async def save_state(self, path: str, token: str | None = None) -> dict[str, Any]:
+        """Write :meth:`state_dict` with ``checkpoint_id`` ``token`` to ``path`` (a checkpoint's
+        ``outer.pt``) from this process, on a thread (pings are answered meanwhile). Returns
+        ``{"file", "bytes", "node"}``, or ``{"unseen": True, "node"}`` when this node does not see
+        the directory (no ``token`` marker there: the job then fetches :meth:`state_dict`).
 
         Raises:
             CheckpointError: the file cannot be written."""
         from pathlib import Path
 
-        from ray_diloco.components.checkpoint import write_state_file
+        from ray_diloco.components.checkpoint import sees_marker, write_state_file
 
-        state = await self.state_dict()
+        node = ray.get_runtime_context().get_node_id()
+        if token is not None and not sees_marker(Path(path).parent, token):
+            return {"unseen": True, "node": node}
+        state = {**(await self.state_dict()), "checkpoint_id": token}
         size = await asyncio.to_thread(write_state_file, Path(path), state)
-        return {"file": Path(path).name, "bytes": size, "node": ray.get_runtime_context().get_node_id()}
+        return {"file": Path(path).name, "bytes": size, "node": node}
 
-    async def export_weights(self, out_dir: str, fragments: list[Any], units: int, precision: str) -> dict[str, int]:
+    async def export_weights(self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype,
+                             token: str) -> dict[str, int] | None:
         """Write the global parameters as the exported model's safetensors into ``out_dir``
-        (``components.export.write_hf_weights``: named as in the model, ``precision`` ``fp32`` or
-        ``bf16``, shard by shard), from this process (the job's never holds them); ``fragments``:
-        the run's plan, ``units`` the exchange units per fragment (FSDP: W). Returns
-        ``{file: bytes}``."""
+        (``components.export.write_hf_weights``: named as in the model, in ``dtype``, shard by
+        shard), from this process (the job's never holds them); ``fragments``: the run's plan,
+        ``units`` the exchange units per fragment (FSDP: W). Returns ``{file: bytes}``, or None
+        when this node does not see ``out_dir`` (no ``token`` marker there)."""
         from pathlib import Path
 
+        from ray_diloco.components.checkpoint import sees_marker
         from ray_diloco.components.export import write_hf_weights
         from ray_diloco.core.shards import join_units
 
+        if not sees_marker(out_dir, token):
+            return None
         params = join_units(await self.global_params(), fragments, units)
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         names = await asyncio.to_thread(write_hf_weights, fragments, params, Path(out_dir), dtype)
         return {n: (Path(out_dir) / n).stat().st_size for n in names}
 
-    async def load_state_file(self, path: str) -> bool:
-        """Set the global parameters and restore the outer state from a checkpoint's ``outer.pt``,
-        read here (a resume: the job's process never holds them). Returns False, setting nothing,
-        when the file is not visible from this node (the job then reads it and sends the state).
+    async def load_state_file(self, entry: dict[str, Any], checkpoint_id: str | None = None) -> bool:
+        """Set the global parameters and restore the outer state from a checkpoint's ``outer.pt``
+        (``{"file", "bytes"}``), read here (a resume: the job's process never holds them). Returns
+        False, setting nothing, when this node does not see the file with its recorded size and
+        ``checkpoint_id`` (the job then reads it and sends the state).
 
         Raises:
             CheckpointError: the file is unreadable. RuntimeError: already set."""
-        from pathlib import Path
+        from ray_diloco.components.checkpoint import read_own_state
 
-        from ray_diloco.components.checkpoint import read_state_file
-
-        if not Path(path).is_file():
+        state = await asyncio.to_thread(read_own_state, entry, checkpoint_id)
+        if state is None:
             return False
-        state = await asyncio.to_thread(read_state_file, Path(path))
         await self.init_global(state["global"])
         await self.load_state_dict(state)
         return True

@@ -85,7 +85,7 @@ def worker_device(gpus_per_worker: float) -> tuple[torch.device, str | None]:
 
 def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[torch.nn.Module, torch.device,
                                                                               Exception | None]:
-    """The worker's model on its device (``torch.cuda.set_device`` first on a GPU), with
+    """The worker's model built on its device (``torch.cuda.set_device`` first on a GPU), with
     ``run.activation_checkpointing`` (transformers' non-reentrant activation checkpointing of every
     decoder block), and the problem the worker's ``setup`` reports: ``ClusterError`` (GPUs asked
     for, no CUDA) or ``ConfigError`` (activation checkpointing of a model without it)."""
@@ -93,7 +93,11 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
     problem: Exception | None = ClusterError(device_problem) if device_problem else None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = build_model(cfg, vocab_size, model_fn).to(device)
+    # built and initialised on its device: on a GPU no fp32 copy of the model passes through host
+    # memory (40 GB per worker at 10B parameters); the seed fixes the values on each device type
+    with torch.device(device) if device.type == "cuda" else nullcontext():
+        model = build_model(cfg, vocab_size, model_fn)
+    model = model.to(device)  # a model_fn that allocates on a fixed device
     if cfg.run.activation_checkpointing:
         new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; 4.x: gradient_...
         old = getattr(model, "gradient_checkpointing_enable", None)
@@ -110,8 +114,9 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
 def to_host(obj: Any, copy_tensors: bool = True) -> Any:
     """A copy of a (nested dict/list/tuple) state with every tensor detached and copied to host
     memory (what leaves a worker: the job's process may have no GPU), a DTensor (FSDP) as its
-    local shard. Other values are deep-copied. ``copy_tensors=False``: host tensors are kept as
-    they are (a state written to a file at once: no second copy of the optimiser state)."""
+    local shard. Other values are deep-copied. ``copy_tensors=False``: not a copy for tensors
+    already on the host, which are kept as they are (a state written to a file at once: no
+    second copy of the optimiser state)."""
     from torch.distributed.tensor import DTensor  # here: importing it takes ~1 s, most workers never need it
 
     if isinstance(obj, DTensor):
@@ -268,38 +273,47 @@ class WorkerState:
         self.sync.load_state_dict(state)
 
 
-    def save_state(self, path: str, full: bool = True) -> dict[str, Any]:
-        """Write :meth:`state_dict` (``full`` as there) to ``path``, a file of a checkpoint's
-        temporary directory, from this process: the state never travels to the job's process.
-        Returns ``{"file", "bytes", "node"}`` (the job checks it sees the file: a run directory
-        that other nodes cannot see falls back to :meth:`state_dict`), or ``{"error": line}`` when
-        the file cannot be written (disk full: the job fails the checkpoint, not this replica)."""
-        from ray_diloco.components.checkpoint import write_state_file
+    def save_state(self, path: str, full: bool = True, token: str | None = None) -> dict[str, Any]:
+        """Write :meth:`state_dict` (``full`` as there) with ``checkpoint_id`` ``token`` to ``path``,
+        a file of a checkpoint's temporary directory, from this process: the state never travels to
+        the job's process. Returns ``{"file", "bytes", "node"}``; ``{"unseen": True, "node"}`` when
+        this node does not see that directory (no ``token`` marker there: the job then fetches
+        :meth:`state_dict`); ``{"error": line}`` when the file cannot be written (disk full: the
+        job fails the checkpoint, not this replica)."""
+        from ray_diloco.components.checkpoint import sees_marker, write_state_file
         from ray_diloco.errors import CheckpointError
 
-        try:
-            size = write_state_file(Path(path), self.state_dict(full, copy_tensors=False))  # written before training resumes
+        node = ray.get_runtime_context().get_node_id()
+        if token is not None and not sees_marker(Path(path).parent, token):
+            return {"unseen": True, "node": node}
+        try:  # the state is written before this worker trains again: its tensors need no copy
+            size = write_state_file(Path(path), {**self.state_dict(full, copy_tensors=False), "checkpoint_id": token})
         except CheckpointError as e:
             return {"error": str(e)}
-        return {"file": Path(path).name, "bytes": size, "node": ray.get_runtime_context().get_node_id()}
+        return {"file": Path(path).name, "bytes": size, "node": node}
 
-    def restore_state(self, own: str | dict[str, Any], full: str | dict[str, Any] | None = None) -> bool:
-        """:meth:`load_state_dict` from this worker's state in a checkpoint: ``own`` is its file
-        (read here, not in the job's process: a resume) or the state itself; ``full`` (a file or a
-        state) holds the inner-optimiser state and local parameters when ``own`` has none (a DDP
-        rank > 0 takes its replica's rank 0's). Returns False, loading nothing, when a file is not
-        visible from this node (the job then reads it and sends the state).
+    def restore_state(self, own: dict[str, Any], full: dict[str, Any] | None = None,
+                      checkpoint_id: str | None = None) -> bool:
+        """:meth:`load_state_dict` from this worker's entry of a checkpoint: ``own`` is its file
+        (``{"file", "bytes"}``: read here, not in the job's process) or the state itself; ``full``
+        (the same kinds) holds the inner-optimiser state and local parameters when ``own`` has
+        none (a DDP rank > 0 takes its replica's rank 0's). Returns False, loading nothing, when a
+        file is not visible from this node with its recorded size and ``checkpoint_id`` (the job
+        then reads it and sends the state).
 
         Raises:
             CheckpointError: a file is unreadable."""
-        from ray_diloco.components.checkpoint import read_state_file
+        from ray_diloco.components.checkpoint import read_own_state
 
-        if any(isinstance(x, str) and not Path(x).is_file() for x in (own, full)):
+        def fetch(entry: dict[str, Any]) -> dict[str, Any] | None:
+            return read_own_state(entry, checkpoint_id) if "file" in entry else dict(entry)
+
+        state = fetch(own)
+        base = fetch(full) if full is not None else None
+        if state is None or (full is not None and base is None):
             return False
-        state = read_state_file(Path(own)) if isinstance(own, str) else dict(own)
-        if full is not None:
-            full = read_state_file(Path(full)) if isinstance(full, str) else full
-            state["optimizer"], state["local"] = full["optimizer"], full["local"]
+        if base is not None:
+            state["optimizer"], state["local"] = base["optimizer"], base["local"]
         self.load_state_dict(state)
         return True
 

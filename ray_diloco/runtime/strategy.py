@@ -119,9 +119,10 @@ class SyncStrategy:
         """The sync side's state for a checkpoint (``"outer"``)."""
         return None
 
-    def save_state(self, path: Path) -> dict[str, Any] | None:
-        """Write :meth:`state_dict` to ``path`` from the process that holds it; returns
-        ``{"file", "bytes", "node"}``, or None when there is no sync-side state."""
+    def save_state(self, path: Path, token: str | None = None) -> dict[str, Any] | None:
+        """Write :meth:`state_dict` to ``path`` from the process that holds it (``token``: the
+        checkpoint's marker and id, ``components.checkpoint.place_marker``); returns ``{"file",
+        "bytes", "node"}`` or ``{"unseen": True, "node"}``, or None when there is no sync-side state."""
         return None
 
     def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
@@ -197,18 +198,21 @@ class DiLoCoSync(SyncStrategy):
         self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
                                      c.streaming.closing_round)
         r0, units = trainer.replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
-        if rs is not None and "file" in rs["outer"] and ray.get(self.driver.load_state_file.remote(rs["outer"]["file"])):
-            pass  # the checkpoint's outer.pt, read by the driver itself
-        else:
-            if rs is not None and "file" in rs["outer"]:  # not visible from the driver's node: read here
+        outer = rs["outer"] if rs is not None else None
+        if outer is not None and "file" in outer:  # the checkpoint's outer.pt: read by the driver itself
+            if ray.get(self.driver.load_state_file.remote(outer, rs.get("checkpoint_id"))):
+                outer = None
+            else:  # not visible from the driver's node: read here, sent
                 from ray_diloco.components.checkpoint import read_state_file
 
-                rs = {**rs, "outer": read_state_file(Path(rs["outer"]["file"]))}
-            initial = rs["outer"]["global"] if rs is not None else \
+                trainer.log(f"note: the outer-optimiser driver does not see {outer['file']}: it is read here")
+                outer = read_state_file(Path(outer["file"]))
+        if outer is not None or rs is None:
+            initial = outer["global"] if outer is not None else \
                 [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
             ray.get(self.driver.init_global.remote(initial))
-            if rs is not None:
-                ray.get(self.driver.load_state_dict.remote(rs["outer"]))
+            if outer is not None:
+                ray.get(self.driver.load_state_dict.remote(outer))
         trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
         workers = all_workers(trainer.replicas)
         ray.get([w.attach.remote(self.driver, self.schedule) for w in workers])
@@ -264,24 +268,27 @@ class DiLoCoSync(SyncStrategy):
 
         return ray.get(self.driver.state_dict.remote())
 
-    def save_state(self, path: Path) -> dict[str, Any]:
+    def save_state(self, path: Path, token: str | None = None) -> dict[str, Any]:
         import ray
 
-        return ray.get(self.driver.save_state.remote(str(path)))
+        return ray.get(self.driver.save_state.remote(str(path), token))
 
     def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
         import ray
-        import torch
 
-        precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-        files = ray.get(self.driver.export_weights.remote(str(out_dir), trainer.fragments, self.cfg.exchange_units,
-                                                          precision))
-        seen = all((out_dir / f).is_file() and (out_dir / f).stat().st_size == n for f, n in files.items())
+        from ray_diloco.components.checkpoint import MARKER, place_marker, visible_file
+
+        out_dir = out_dir.resolve()
+        token = place_marker(out_dir)
+        try:
+            files = ray.get(self.driver.export_weights.remote(str(out_dir), trainer.fragments, self.cfg.exchange_units,
+                                                              dtype, token))
+        finally:
+            (out_dir / MARKER).unlink(missing_ok=True)
+        seen = files is not None and all(visible_file({"file": str(out_dir / f), "bytes": n}) for f, n in files.items())
         if not seen:
-            trainer.log(f"note: the outer-optimiser driver's node does not share {out_dir.parent}: "
+            trainer.log(f"note: the outer-optimiser driver's node does not see {out_dir}: "
                         "the exported weights are written by this process")
-            for f in files:
-                (out_dir / f).unlink(missing_ok=True)
         return seen
 
     def global_params(self, trainer: Any) -> list[np.ndarray]:

@@ -21,10 +21,8 @@ directory, starts Ray, runs this loop and exports the model.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import sys
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.components.checkpoint import OUTER_FILE, begin_checkpoint, finish_checkpoint, global_params, worker_file
+from ray_diloco.components.checkpoint import global_params
 from ray_diloco.components.data import Corpus, val_windows
 from ray_diloco.components.export import check_sizes
 from ray_diloco.components.storage import Mirror
@@ -41,8 +39,9 @@ from ray_diloco.components.tracking import Tracker
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import fragment_plan
 from ray_diloco.core.schedules import is_due, outer_step_bounds
-from ray_diloco.errors import CheckpointError, ConfigError
+from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import ModelFn
+from ray_diloco.runtime.checkpointing import restore_workers, write_checkpoint
 from ray_diloco.runtime.cluster import Replica, all_workers, check_resources, start_replicas, stop_replicas
 from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
@@ -184,29 +183,8 @@ class Trainer:
             print(line, file=sys.stderr)
 
     def _restore_workers(self, rs: dict[str, Any]) -> None:
-        """Inner-optimiser state and local parameters (DDP: rank 0's, for every rank of its replica;
-        FSDP: each rank's own rows), data position, RNG and syncs in flight (each worker's own).
-        A checkpoint of per-worker files: each worker reads its own (a file its node cannot see
-        is read here and sent)."""
-        import ray
-
-        from ray_diloco.components.checkpoint import read_state_file
-
-        states = rs["workers"]
-        fsdp = self.cfg.exchange_units > 1  # each rank has its own rows' state
-
-        def given(entry: dict[str, Any] | None) -> str | dict[str, Any] | None:
-            return entry["file"] if entry is not None and "file" in entry else entry
-
-        calls = []
-        for r in self.replicas:
-            for rank, w in enumerate(r.workers):
-                own, full = given(states[(r.index, rank)]), None if fsdp or rank == 0 else given(states[(r.index, 0)])
-                calls.append((w, own, full, w.restore_state.remote(own, full)))
-        for w, own, full, ref in calls:
-            if not ray.get(ref):  # this worker's node cannot see the run directory: through the job
-                own, full = (read_state_file(Path(x)) if isinstance(x, str) else x for x in (own, full))
-                ray.get(w.restore_state.remote(own, full))
+        """Each worker's state from the checkpoint ``rs`` (:func:`~ray_diloco.runtime.checkpointing.restore_workers`)."""
+        restore_workers(self, rs)
 
     # -- one outer step --------------------------------------------------------------------
     def outer_step(self, k: int) -> dict[str, Any]:
@@ -300,63 +278,9 @@ class Trainer:
         return total / count
 
     def checkpoint(self) -> Path:
-        """Write a checkpoint atomically: every worker writes its own state file and the driver the
-        outer state, into the checkpoint's temporary directory; this process writes only the small
-        ``state.pt`` naming them (:mod:`~ray_diloco.components.checkpoint`), then renames the
-        directory. It never holds the model or an optimiser state (unless a writer's node cannot
-        see the run directory: that state comes here and is written inline, with a note)."""
-        self.settle()
-        fsdp = self.cfg.exchange_units > 1  # every rank holds its own rows
-        st = self.state
-        tmp = begin_checkpoint(self.run_dir, st.outer_step)
-        try:
-            written = self.supervisor.on_live(
-                "save_state", lambda r, rank, i, n: (str(tmp / worker_file(r.index, rank)), rank == 0 or fsdp))
-            failed = [info["error"] for info in written.values() if "error" in info]
-            if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
-                raise CheckpointError(f"checkpoint {tmp.parent / f'step_{st.outer_step:06d}'}: {failed[0]}")
-            workers = {key: self._visible(tmp, info, key) for key, info in written.items()}
-            for stale in set(p.name for p in tmp.glob("worker-*.pt")) - {info["file"] for info in written.values()}:
-                (tmp / stale).unlink()  # of a replica lost while the others wrote
-            outer = self.sync.save_state(tmp / OUTER_FILE)
-            outer = self._visible(tmp, outer, None) if outer is not None else None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        state = {
-            "format": 2,
-            "outer_step": st.outer_step,
-            "config": self.cfg.to_dict(),
-            "corpus_fingerprint": self.corpus.fingerprint,
-            "custom_model": self.model_fn is not None,
-            "counters": dataclasses.asdict(st),
-            "outer": outer,
-            "workers": workers,
-            "membership": self.members.state_dict() if self.members is not None else None,
-            "sizes": [f.numel for f in self.fragments],
-        }
-        if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
-            state["exchange_units"] = self.cfg.exchange_units
-            state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in self.fragments]
-        with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
-            return finish_checkpoint(self.run_dir, st.outer_step, tmp, state, self.cfg.run.keep_checkpoints)
-
-    def _visible(self, tmp: Path, info: dict[str, Any], key: tuple[int, int] | None) -> dict[str, Any]:
-        """``{"file": NAME}`` when this process sees the file a worker (``key``) or the driver
-        (None) wrote, with its size; else (its node does not share the run directory) the state
-        itself, fetched here, with a note."""
-        import ray
-
-        f = tmp / info["file"]
-        if f.is_file() and f.stat().st_size == info["bytes"]:
-            return {"file": info["file"]}
-        who = "the outer-optimiser driver" if key is None else f"worker {key}"
-        self.log(f"note: {who} wrote its checkpoint file on node {info['node']}, which does not share "
-                 f"{self.run_dir}: its state goes through this process (put run.output_dir on a shared file system)")
-        if key is None:
-            return self.sync.state_dict()
-        r = next(r for r in self.replicas if r.index == key[0])
-        return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or self.cfg.exchange_units > 1))
+        """Write a checkpoint atomically, each process its own state
+        (:func:`~ray_diloco.runtime.checkpointing.write_checkpoint`)."""
+        return write_checkpoint(self)
 
     def global_params(self) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""

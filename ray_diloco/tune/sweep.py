@@ -386,7 +386,7 @@ def _num_parameters(run_dir: str | None) -> int | None:
 
     try:
         _, path = latest_checkpoint(Path(run_dir))
-        return int(sum(p.size for p in global_params(load_checkpoint(path))))
+        return int(sum(p.size for p in global_params(load_checkpoint(path, lazy=True))))
     except Exception:
         return None
 

@@ -13,8 +13,7 @@ from conftest import start_trainer, tiny_overrides, torch_lm
 from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint, read_state_file
 from ray_diloco.config import load_config
 from ray_diloco.errors import CheckpointError
-from ray_diloco.runtime import trainer as trainer_module
-from ray_diloco.runtime.trainer import Trainer
+from ray_diloco.runtime import checkpointing as trainer_module
 
 KEYS = ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss")
 
@@ -26,7 +25,6 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
                 streaming__fragments=2, streaming__overlap_steps=1, inner__global_batch=8)
     cfg = load_config(tiny_overrides(tmp_path, run__name="a", **over))
     t = start_trainer(cfg, corpus, torch_lm)
-    visible = Trainer._visible
     try:
         rows = [t.outer_step(1)]
         t.checkpoint()
@@ -44,25 +42,27 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
         assert [r.index for r in t.replicas] == [0, 1]  # the checkpoint failed, not the replica
         assert [p.name for p in (t.run_dir / "checkpoints").iterdir()] == ["step_000001"]  # no temporary left
 
-        def hidden(self, tmp, info, key):  # replica 1's rank 1 wrote on a node the job cannot see
-            if key == (1, 1):
-                (tmp / info["file"]).unlink()
-            return visible(self, tmp, info, key)
+        real_name = trainer_module.worker_file
 
-        monkeypatch.setattr(Trainer, "_visible", hidden)
+        def unseen(replica, rank):  # replica 1's rank 1 is on a node that does not see the run directory
+            return f"elsewhere/{real_name(replica, rank)}" if (replica, rank) == (1, 1) else real_name(replica, rank)
+
+        monkeypatch.setattr(trainer_module, "worker_file", unseen)
         rows.append(t.outer_step(2))
         t.checkpoint()
-        monkeypatch.setattr(Trainer, "_visible", visible)
+        monkeypatch.setattr(trainer_module, "worker_file", real_name)
         rows.append(t.outer_step(3))
     finally:
         t.shutdown()
-    assert "worker (1, 1) wrote its checkpoint file on node" in capsys.readouterr().err
+    assert "worker (1, 1) on node" in capsys.readouterr().err
     ckpts = dict(list_checkpoints(t.run_dir))
     first, second = ckpts[1], ckpts[2]
     names = sorted(p.name for p in first.iterdir())
     assert names == ["outer.pt", STATE_FILE, "worker-0-0.pt", "worker-0-1.pt", "worker-1-0.pt", "worker-1-1.pt"]
     raw = read_state_file(first / STATE_FILE)  # what the job's process wrote: names, no tensors
-    assert raw["outer"] == {"file": "outer.pt"} and raw["workers"][(1, 0)] == {"file": "worker-1-0.pt"}
+    assert raw["outer"]["file"] == "outer.pt" and raw["workers"][(1, 0)]["file"] == "worker-1-0.pt"
+    assert raw["outer"]["bytes"] == (first / "outer.pt").stat().st_size
+    assert read_state_file(first / "outer.pt")["checkpoint_id"] == raw["checkpoint_id"]
     assert raw["sizes"] == [f.numel for f in t.fragments]
     assert not any(isinstance(v, torch.Tensor) for v in _leaves(raw))
     assert (first / STATE_FILE).stat().st_size < (first / "outer.pt").stat().st_size / 4
@@ -80,7 +80,7 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
 
     # resume from checkpoint 1, each process reading its own file
     lazy = load_checkpoint(first, lazy=True)
-    assert lazy["outer"] == {"file": str(first / "outer.pt")}
+    assert lazy["outer"]["file"] == str(first / "outer.pt")
     cfg_b = load_config(tiny_overrides(tmp_path, run__name="b", **over))
     t2 = start_trainer(cfg_b, corpus, torch_lm, lazy)
     try:

@@ -62,6 +62,26 @@ def test_jsonl_val_split_is_by_hash_of_the_document(ray_session, tmp_path):
     assert not (tmp_path / "s2" / "manifest.json").exists()
 
 
+def test_a_rowless_first_file_does_not_stop_a_named_tokenizer(ray_session, tmp_path):
+    """With a tokenizer file, only the first files are read to check the column; a first Parquet
+    file with no rows (as Spark writes) falls back to the whole source instead of 'no rows'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ray_diloco.components.data import char_tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [f"document {i} " * 20 for i in range(50)]
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), src / "part-00000.parquet")
+    pq.write_table(pa.table({"text": docs}), src / "part-00001.parquet")
+    tok = char_tokenizer(docs)
+    tok.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    m = prepare_store(PrepareOptions(sources=[str(src)], out=str(tmp_path / "s"), tokenizer=str(tmp_path / "tokenizer.json"),
+                                     val_fraction=0.0, progress=False))
+    assert m["documents"]["train"] == 50
+
+
 def test_a_datasets_source_is_streamed_through_the_hub_code_path(ray_session, tmp_path):
     ds_dir = tmp_path / "local_dataset"  # load_dataset(DIR, streaming=True): the hub loader on local files
     ds_dir.mkdir()

@@ -83,13 +83,40 @@ def test_the_key_follows_the_bytes_the_tokenizer_and_the_settings(src, tmp_path)
     assert len(entries(tmp_path / "cache")) == 2 and c.fingerprint == D._tokenized(cfg, None).fingerprint
 
 
-def test_a_resume_with_the_runs_tokenizer_is_cached_under_it(src, tmp_path, monkeypatch):
+def test_a_resume_with_the_runs_tokenizer_reads_the_first_runs_entry(src, tmp_path, monkeypatch):
+    """A resume passes the run's saved tokenizer: the entry its first run wrote (keyed by the
+    char/bpe recipe) is used when it holds that same tokenizer; another tokenizer gets its own."""
+    from ray_diloco.components.data import load_saved_tokenizer
+
     cfg = cfg_for(src, tmp_path / "cache")
-    tok = load_corpus(cfg).tokenizer
-    a = load_corpus(cfg, tokenizer=tok)
-    no_tokenising(monkeypatch)
-    b = load_corpus(cfg, tokenizer=tok)
-    assert b.tokenizer is tok and a.fingerprint == b.fingerprint
+    first = load_corpus(cfg)
+    first.tokenizer.save_pretrained(str(tmp_path / "run-tok"))
+    tok = load_saved_tokenizer(tmp_path / "run-tok")  # as --resume loads it
+    with monkeypatch.context() as m:
+        no_tokenising(m)
+        a = load_corpus(cfg, tokenizer=tok)
+    assert a.tokenizer is tok and a.fingerprint == first.fingerprint and len(entries(tmp_path / "cache")) == 1
+    other = D.char_tokenizer([TEXT + "~"])  # one more character: another vocabulary
+    b = load_corpus(cfg, tokenizer=other)
+    assert len(entries(tmp_path / "cache")) == 2 and b.vocab_size == a.vocab_size + 1
+
+
+def test_a_slow_tokenizer_is_not_cached(src, tmp_path):
+    class Slow:  # a tokenizer without a tokenizers backend (no JSON to key the cache by)
+        eos_token_id = None
+
+        def __init__(self, fast):
+            self.fast = fast
+
+        def __call__(self, texts, **kw):
+            return self.fast(texts, **kw)
+
+        def __len__(self):
+            return len(self.fast)
+
+    fast = load_corpus(cfg_for(src, tmp_path / "cache")).tokenizer
+    c = load_corpus(cfg_for(src, tmp_path / "cache2"), tokenizer=Slow(fast))
+    assert isinstance(c.train, np.ndarray) and entries(tmp_path / "cache2") == []
 
 
 def test_a_damaged_entry_is_rebuilt(src, tmp_path):

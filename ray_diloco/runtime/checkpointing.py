@@ -1,0 +1,106 @@
+"""Checkpoints of a run, written and read by the processes that hold the state (the Ray side of
+:mod:`ray_diloco.components.checkpoint`): each worker writes its own file, the outer-optimiser
+driver ``outer.pt``, the trainer's process only ``state.pt``; a resume has each process read its
+own file. A process whose node does not see the run directory sends its state through the
+trainer's process instead."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ray_diloco.components.checkpoint import (OUTER_FILE, begin_checkpoint, finish_checkpoint, place_marker,
+                                              read_state_file, visible_file, worker_file)
+from ray_diloco.errors import CheckpointError
+
+
+def restore_workers(t: Any, rs: dict[str, Any]) -> None:
+    """The :class:`~ray_diloco.runtime.trainer.Trainer` ``t``'s workers from the checkpoint ``rs``: inner-optimiser state and local parameters (DDP: rank 0's, for every rank of its replica;
+    FSDP: each rank's own rows), data position, RNG and syncs in flight (each worker's own).
+    A checkpoint of per-worker files: each worker reads its own (a file its node cannot see
+    is read here and sent)."""
+    import ray
+
+    states, cid = rs["workers"], rs.get("checkpoint_id")
+    fsdp = t.cfg.exchange_units > 1  # each rank has its own rows' state
+    calls = []
+    for r in t.replicas:
+        for rank, w in enumerate(r.workers):
+            own, full = states[(r.index, rank)], None if fsdp or rank == 0 else states[(r.index, 0)]
+            calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
+    for key, w, own, full, ref in calls:
+        if not ray.get(ref):  # this worker's node does not see the run directory: through the job
+            t.log(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
+            own, full = (read_state_file(Path(x["file"])) if x is not None and "file" in x else x for x in (own, full))
+            ray.get(w.restore_state.remote(own, full, cid))
+
+
+def write_checkpoint(t: Any) -> Path:
+    """Write the :class:`~ray_diloco.runtime.trainer.Trainer` ``t``'s checkpoint atomically: every worker writes its own state file and the driver the
+    outer state, into the checkpoint's temporary directory; this process writes only the small
+    ``state.pt`` naming them (:mod:`~ray_diloco.components.checkpoint`), then renames the
+    directory. It never holds the model or an optimiser state (unless a writer's node cannot
+    see the run directory: that state comes here and is written inline, with a note)."""
+    t.settle()
+    fsdp = t.cfg.exchange_units > 1  # every rank holds its own rows
+    st = t.state
+    tmp = begin_checkpoint(t.run_dir, st.outer_step)  # absolute: the writers' directories differ
+    try:
+        token = place_marker(tmp)  # a writer that does not read it there does not share the run directory
+        written = t.supervisor.on_live(
+            "save_state", lambda r, rank, i, n: (str(tmp / worker_file(r.index, rank)), rank == 0 or fsdp, token))
+        failed = [info["error"] for info in written.values() if "error" in info]
+        if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
+            raise CheckpointError(f"checkpoint {tmp.parent / f'step_{st.outer_step:06d}'}: {failed[0]}")
+        workers = {key: _visible(t, tmp, info, key) for key, info in written.items()}
+        outer = t.sync.save_state(tmp / OUTER_FILE, token)
+        outer = _visible(t, tmp, outer, None) if outer is not None else None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    state = {
+        "format": 2,
+        "outer_step": st.outer_step,
+        "config": t.cfg.to_dict(),
+        "corpus_fingerprint": t.corpus.fingerprint,
+        "custom_model": t.model_fn is not None,
+        "counters": dataclasses.asdict(st),
+        "outer": outer,
+        "workers": workers,
+        "membership": t.members.state_dict() if t.members is not None else None,
+        "sizes": [f.numel for f in t.fragments],
+        "checkpoint_id": token,
+    }
+    if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
+        state["exchange_units"] = t.cfg.exchange_units
+        state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in t.fragments]
+    from ray_diloco.runtime.trainer import signals_deferred  # (the trainer imports this module)
+
+    with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
+        return finish_checkpoint(t.run_dir, st.outer_step, tmp, state, t.cfg.run.keep_checkpoints)
+
+def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | None) -> dict[str, Any]:
+    """``{"file", "bytes"}`` when this process sees the file a worker (``key``) or the driver
+    (None) wrote, with its size; else (its node does not share the run directory) the state
+    itself, fetched here, with a note.
+
+    Raises:
+        CheckpointError: that worker died before its state could be fetched."""
+    import ray
+
+    if "file" in info and visible_file({"file": str(tmp / info["file"]), "bytes": info["bytes"]}):
+        return {"file": info["file"], "bytes": info["bytes"]}
+    who = "the outer-optimiser driver" if key is None else f"worker {key}"
+    t.log(f"note: {who} on node {info['node']} does not see {t.run_dir}: its checkpoint state goes "
+             "through this process (put run.output_dir on a file system every node shares)")
+    if key is None:
+        return t.sync.state_dict()
+    try:
+        r = next(r for r in t.replicas if r.index == key[0])
+        return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or t.cfg.exchange_units > 1))
+    except (StopIteration, ray.exceptions.RayError):
+        raise CheckpointError(f"checkpoint of outer step {t.state.outer_step}: replica {key[0]} was lost while "
+                              "its state was fetched; the next checkpoint goes without it") from None
+
