@@ -97,7 +97,7 @@ def plain_loop(cfg, corpus, steps: int, warmup: int, device: torch.device) -> di
     model = build_model(cfg, corpus.vocab_size).to(device)
     opt = make_inner_optimizer(model, cfg)
     T, B, i = cfg.data.seq_len, cfg.inner.global_batch // 2, cfg.inner
-    data = torch.from_numpy(corpus.train.astype(np.int64))
+    data = torch.from_numpy(np.asarray(corpus.train).astype(np.int64))
     g = torch.Generator().manual_seed(0)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.run.precision == "bf16" else None
     if device.type == "cuda":

@@ -33,7 +33,7 @@ def plain_loop(cfg, corpus, steps: int, warmup: int) -> float:
     model = build_model(cfg, corpus.vocab_size)
     opt = make_inner_optimizer(model, cfg)
     T, B, i = cfg.data.seq_len, cfg.inner.global_batch, cfg.inner
-    data = torch.from_numpy(corpus.train.astype(np.int64))
+    data = torch.from_numpy(np.asarray(corpus.train).astype(np.int64))
     g = torch.Generator().manual_seed(0)
     t0 = None
     for step in range(steps + warmup):

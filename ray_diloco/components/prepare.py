@@ -43,7 +43,7 @@ SAMPLE_BYTES = 32 << 20
 #: Cap of Ray Data's object store use during a prepare, bytes.
 OBJECT_STORE_BYTES = 512 << 20
 EOS = "<|endoftext|>"
-#: CPUs reserved by a read task (the tokenizer actors hold one each: reads must still be scheduled).
+#: CPUs reserved by a read task (a fraction: reads must be scheduled beside the tokenizer actors).
 READ_CPUS = 0.25
 #: Read tasks at a time per 8 CPUs of the cluster, at least 2 (each holds one input file or Parquet
 #: row group in memory; one reader parses far faster than 8 tokenizer actors consume).
