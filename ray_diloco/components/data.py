@@ -372,6 +372,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     tmp = None
     try:
         root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
                 "source": {"path": str(path), "cache_key": key}}
@@ -390,6 +391,24 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: A cache entry still being written after this many seconds belongs to a killed run.
+STALE_TEMPORARY_S = 3600.0
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Delete the temporary directories (``.KEY-*``) that runs killed while writing an entry left
+    in ``root`` more than :data:`STALE_TEMPORARY_S` ago (a small file is tokenised in seconds)."""
+    import shutil
+    import time
+
+    for p in root.glob(".*-*"):
+        try:
+            if p.is_dir() and time.time() - p.stat().st_mtime > STALE_TEMPORARY_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _from_cache(store: Any, tokenizer: Any) -> Corpus:

@@ -182,3 +182,16 @@ def test_bad_sources_and_too_short_corpora_are_still_one_line(tmp_path):
     load_corpus(cfg_for(short, tmp_path / "c"))  # fits seq_len 16, cached
     with pytest.raises(DataError, match="too small"):  # the cached entry is checked against seq_len too
         load_corpus(DataConfig(path=str(short), cache_dir=str(tmp_path / "c"), seq_len=1024))
+
+
+def test_a_killed_runs_temporary_entry_is_removed_once_stale(src, tmp_path):
+    """A run killed while writing an entry leaves ``.KEY-*``; the next entry written removes it
+    after an hour (a fresh one may be another run's, still writing, and is kept)."""
+    root = tmp_path / "cache" / "tokens"
+    old, fresh = root / ".abc-killed", root / ".def-writing"
+    for d in (old, fresh):
+        d.mkdir(parents=True)
+        (d / "train-00000.bin").write_bytes(b"x" * 10)
+    os.utime(old, (0, 0))
+    load_corpus(cfg_for(src, tmp_path / "cache"))
+    assert not old.exists() and fresh.exists() and len(entries(tmp_path / "cache")) == 1
