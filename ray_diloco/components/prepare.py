@@ -144,7 +144,7 @@ def _read(fs: Any, paths: list[str], kind: str, opts: PrepareOptions):
     import ray
     import ray.data
 
-    readers = max(2, int(ray.cluster_resources().get("CPU", 2)) // 8 * READ_TASKS_PER_8_CPUS)
+    readers = min(len(paths), max(2, int(ray.cluster_resources().get("CPU", 2)) // 8 * READ_TASKS_PER_8_CPUS))
     if kind == "text":
         return ray.data.read_text(paths, filesystem=fs, drop_empty_lines=False, include_paths=True,
                                   num_cpus=READ_CPUS, concurrency=readers)
