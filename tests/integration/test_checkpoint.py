@@ -81,12 +81,14 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
     # resume from checkpoint 1, each process reading its own file
     lazy = load_checkpoint(first, lazy=True)
     assert lazy["outer"]["file"] == str(first / "outer.pt")
-    cfg_b = load_config(tiny_overrides(tmp_path, run__name="b", **over))
-    t2 = start_trainer(cfg_b, corpus, torch_lm, lazy)
-    try:
-        again = t2.outer_step(2)
-    finally:
-        t2.shutdown()
+    def resumed(name, state, k):  # outer step k of a new run started from ``state``
+        t2 = start_trainer(load_config(tiny_overrides(tmp_path, run__name=name, **over)), corpus, torch_lm, state)
+        try:
+            return t2.outer_step(k)
+        finally:
+            t2.shutdown()
+
+    again = resumed("b", lazy, 2)
     for key in KEYS:
         assert again[key] == rows[1][key], key
 
@@ -97,12 +99,7 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
     lazy2["outer"] = {"file": "outer.pt"}
     lazy2["workers"] = {k: ({"file": f"worker-{k[0]}-{k[1]}.pt"} if "file" in w else w)
                         for k, w in lazy2["workers"].items()}
-    cfg_c = load_config(tiny_overrides(tmp_path, run__name="c", **over))
-    t3 = start_trainer(cfg_c, corpus, torch_lm, lazy2)
-    try:
-        again3 = t3.outer_step(3)
-    finally:
-        t3.shutdown()
+    again3 = resumed("c", lazy2, 3)
     for key in KEYS:
         assert again3[key] == rows[2][key], key
 
