@@ -252,6 +252,11 @@ class StreamingConfig:
     ``int8`` or ``fp4_e3m0`` (per-block absmax scales)."""
     error_feedback: bool = False
     """Add each round's quantisation residual to the next round's value (replicas and driver)."""
+    device_globals: bool = True
+    """On a GPU: keep a device copy of the global parameters (+4 bytes per parameter of GPU memory, 1/W of
+    it per rank with FSDP) so pseudo-gradients and merges are computed on the GPU and copied to and from
+    pinned host memory on a side stream, off the training stream; false: read through host copies on the
+    training thread (saves the memory, stalls training for each copy). No effect on CPU."""
     closing_round: ClosingRound = "average"
     """At the last step, fragments off their phase sync once more: ``average`` (global = the replicas'
     weighted mean), ``outer`` (an ordinary outer step) or ``none`` (no closing round)."""

@@ -109,22 +109,23 @@ def plan_fragments(specs: list[ParamSpec], num_block_fragments: int = 1, pattern
     return [Fragment(i, tuple(p)) for i, p in enumerate(parts)]
 
 
-def flatten(params: dict[str, torch.Tensor], fragment: Fragment) -> torch.Tensor:
-    """Concatenate the fragment's parameters into a new fp32 CPU tensor ``[fragment.numel]``."""
-    return torch.cat([params[p.name].detach().reshape(-1).to("cpu", torch.float32) for p in fragment.params])
+def flatten(params: dict[str, torch.Tensor], fragment: Fragment, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Concatenate the fragment's parameters into a new fp32 tensor ``[fragment.numel]`` on ``device``."""
+    return torch.cat([params[p.name].detach().reshape(-1).to(device, torch.float32) for p in fragment.params])
 
 
 def pseudo_gradient(global_flat: torch.Tensor, params: dict[str, torch.Tensor], fragment: Fragment,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``global - local`` for ``fragment`` (fp32 CPU ``[fragment.numel]``: ``out`` when given, else
-    a new tensor), computed parameter by parameter straight into the result: bitwise
-    ``global_flat - flatten(params, fragment)`` without the flattened copy (DiLoCo, arXiv
-    2311.08105, Algorithm 1 line 8)."""
+    """``global - local`` for ``fragment`` (fp32 ``[fragment.numel]`` on ``global_flat``'s device:
+    ``out`` when given, else a new tensor), computed parameter by parameter straight into the
+    result: bitwise ``global_flat - flatten(params, fragment)`` without the flattened copy
+    (DiLoCo, arXiv 2311.08105, Algorithm 1 line 8). The parameters are read onto that device
+    (host globals: copied to the host; ``core.staging``'s device globals: read in place)."""
     if out is None:
-        out = torch.empty(fragment.numel, dtype=torch.float32)
+        out = torch.empty(fragment.numel, dtype=torch.float32, device=global_flat.device)
     off = 0
     for p in fragment.params:
-        local = params[p.name].detach().reshape(-1).to("cpu", torch.float32)
+        local = params[p.name].detach().reshape(-1).to(global_flat.device, torch.float32)
         torch.sub(global_flat[off : off + p.numel], local, out=out[off : off + p.numel])
         off += p.numel
     return out

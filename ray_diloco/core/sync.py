@@ -30,7 +30,13 @@ import torch
 
 from ray_diloco.core.fragments import Fragment, flatten, pseudo_gradient, tensor_hash, unflatten_into
 from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.wire import FAILED, OK, REJECTED, SyncResult, as_tensor
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` on the host (itself when it is there already)."""
+    return None if t is None else t.to("cpu")
 
 
 class Transport(Protocol):
@@ -39,7 +45,8 @@ class Transport(Protocol):
     ``exchange`` starts one sync in the background and returns a ``Future[SyncResult]``:
     ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on; it may hand it back to
     ``FragmentSync.buffers`` once sent, and then must not touch it) is given on rank 0 and
-    None on other ranks; ``old_global`` (the global value at ``version``) does not change until
+    None on other ranks; ``ready`` (when given) blocks until ``delta`` holds its values (a copy
+    from a GPU still running, ``core.staging``): call it before reading ``delta``; ``old_global`` (the global value at ``version``) does not change until
     the future is done; the result's ``new_global`` is ``old_global`` itself (nothing changed)
     or a tensor with storage of its own; ``average_only``: a closing round. With error
     feedback the transport keeps a residual per fragment, which ``residual_state`` /
@@ -48,8 +55,10 @@ class Transport(Protocol):
     """
 
     def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor, version: int = 0, average_only: bool = False) -> Future:
-        """Start a sync; the future resolves to a :class:`~ray_diloco.core.wire.SyncResult`."""
+                 old_global: torch.Tensor, version: int = 0, average_only: bool = False,
+                 ready: Callable[[], None] | None = None) -> Future:
+        """Start a sync; the future resolves to a :class:`~ray_diloco.core.wire.SyncResult`
+        (its ``staged``: the new global value already on the training device, or None)."""
 
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals by fragment."""
@@ -79,7 +88,8 @@ class SyncBuffers:
     tensors this object handed out are taken back (by identity); anything else given is ignored.
     """
 
-    def __init__(self):
+    def __init__(self, pin: bool = False):
+        self.pin = pin  # page-locked host memory (a CUDA worker: asynchronous copies to and from the GPU)
         self._free: list[torch.Tensor] = []  # whole buffers, in the order given back
         self._ours: dict[int, weakref.ref] = {}  # id -> a whole buffer handed out (identity, not value)
         self._largest = 0
@@ -96,7 +106,7 @@ class SyncBuffers:
             if fits:
                 base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
                 return base if base.numel() == numel else base[:numel]
-        t = torch.empty(numel, dtype=torch.float32)
+        t = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
         with self._lock:
             self._ours = {k: r for k, r in self._ours.items() if r() is not None}
             self._ours[id(t)] = weakref.ref(t)
@@ -187,7 +197,9 @@ class FragmentSync:
         on_reset: called after a reset to the global parameters (clear the inner optimiser).
 
     ``buffers`` (:class:`SyncBuffers`) are shared with the transport: pseudo-gradients are
-    computed into them and old global values go back to them at the merge.
+    computed into them (or copied there from the device) and old global values go back to them
+    at the merge. ``global_flat`` (host, fp32) is always current: checkpoints, hashes and the
+    transport read it.
     """
 
     def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], *, alpha: float,
@@ -199,6 +211,8 @@ class FragmentSync:
         n = len(fragments)
         self.global_flat: list[torch.Tensor | None] = [None] * n
         self.global_version = [0] * n  # outer steps applied to each global fragment
+        self.staging: DeviceStaging | None = None  # see attach
+        self.global_dev: list[torch.Tensor | None] = [None] * n  # device copies of global_flat (staging)
         self.schedule: SyncSchedule | None = None
         self.transport: Transport | None = None
         self.pending: list[PendingSync] = []
@@ -208,9 +222,18 @@ class FragmentSync:
         self.buffers = SyncBuffers()
 
     # -- set-up ----------------------------------------------------------------------------
-    def attach(self, schedule: SyncSchedule, transport: Transport) -> None:
-        """From now on :meth:`step` syncs fragments on ``schedule`` through ``transport``."""
+    def attach(self, schedule: SyncSchedule, transport: Transport, staging: DeviceStaging | None = None) -> None:
+        """From now on :meth:`step` syncs fragments on ``schedule`` through ``transport``.
+
+        ``staging``: the worker's :class:`~ray_diloco.core.staging.DeviceStaging` (the transport's
+        too); when it is ``on_device`` (a CUDA worker, ``streaming.device_globals``) a device copy of
+        every global fragment is kept in :attr:`global_dev`, pseudo-gradients and merges are
+        computed on the device and copied to and from (pinned) host memory off the training
+        stream. None: the parameters are read and written through host copies."""
         self.schedule, self.transport = schedule, transport
+        if staging is not None and staging.on_device:
+            self.staging, self.buffers.pin = staging, staging.pin
+            self.global_dev = [None if g is None else staging.put(g) for g in self.global_flat]
 
     @property
     def attached(self) -> bool:
@@ -230,6 +253,8 @@ class FragmentSync:
         arr = np.asarray(global_p, dtype=np.float32).reshape(-1)
         g = as_tensor(arr) if not arr.flags.writeable else torch.from_numpy(arr.copy())
         self.global_flat[fragment], self.global_version[fragment] = g, int(version)
+        if self.staging is not None:
+            g = self.global_dev[fragment] = self.staging.put(g)
         unflatten_into(self.params, self.fragments[fragment], g)
 
     def global_fragment(self, fragment: int) -> np.ndarray:
@@ -246,7 +271,8 @@ class FragmentSync:
 
     def reset_to_global(self) -> None:
         """Local parameters of every fragment <- the global ones held; then ``on_reset``."""
-        for f, g in zip(self.fragments, self.global_flat):
+        held = self.global_flat if self.staging is None else self.global_dev
+        for f, g in zip(self.fragments, held):
             if g is not None:
                 unflatten_into(self.params, f, g)
         if self.on_reset is not None:
@@ -276,11 +302,19 @@ class FragmentSync:
         it to the transport; the merge is queued for ``schedule.apply_step(t)``."""
         frag, g = self.fragments[f], self.global_flat[f]
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
-        # buffer (SyncBuffers), handed back by the transport once it has sent it
-        delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel)) if self.rank == 0 else None
+        # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
+        # globals computed on the device and copied into the buffer off the training stream
+        delta, ready = None, None
+        if self.rank == 0:
+            delta = self.buffers.take(frag.numel)
+            if self.staging is None:
+                pseudo_gradient(g, self.params, frag, out=delta)
+            else:
+                ready = self.staging.to_host(pseudo_gradient(self.global_dev[f], self.params, frag), delta)
         weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
         prev, self.last_send[f] = self.last_send[f], t
-        fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t))
+        fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t),
+                                      ready=ready)
         self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
         if self.tracing:
             self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),
@@ -293,31 +327,34 @@ class FragmentSync:
         waited = time.perf_counter() - t0
         new = res.new_global
         self.comm.add(res.bytes_up, res.bytes_down)
-        frag, alpha = self.fragments[e.fragment], self.alpha
+        f, alpha = e.fragment, self.alpha
+        frag, old = self.fragments[f], self.global_flat[f]
+        self.global_flat[f], self.global_version[f] = new, res.version
+        same = old is not None and old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
+        if self.staging is not None and not same:  # the device copy: staged by the transport, else copied now
+            self.global_dev[f] = self.staging.adopt(res.staged) if res.staged is not None else self.staging.put(new)
+        held = new if self.staging is None else self.global_dev[f]
         # the local values are read only where the merge or the trace needs them (not for alpha 0)
-        local = flatten(self.params, frag) if self.tracing or 0 < alpha < 1 else None
-        old = self.global_flat[e.fragment]
-        self.global_flat[e.fragment], self.global_version[e.fragment] = new, res.version
+        local = flatten(self.params, frag, held.device) if self.tracing or 0 < alpha < 1 else None
         if res.status == FAILED:
-            self.last_send[e.fragment] = e.prev_send
+            self.last_send[f] = e.prev_send
             merged = local
         elif res.status == REJECTED:
             self.reset_to_global()
-            merged = new
+            merged = held
         elif alpha == 1:
             merged = local
         else:
-            merged = new if alpha == 0 else alpha * local + (1 - alpha) * new
+            merged = held if alpha == 0 else alpha * local + (1 - alpha) * held
             unflatten_into(self.params, frag, merged)
         if self.tracing:
-            rec = next(r for r in reversed(self.trace) if r["fragment"] == e.fragment and r["send_step"] == e.send_step)
-            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": local,
-                        "merged": merged.clone()})
+            rec = next(r for r in reversed(self.trace) if r["fragment"] == f and r["send_step"] == e.send_step)
+            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": _host(local),
+                        "merged": merged.to("cpu", copy=True)})
         # an exchange reads its old global only while its sync is pending (join and
         # load_state_dict replace the globals before dropping pending syncs, so an abandoned
         # exchange never reads a buffer given here); the trace keeps clones
-        shared = old is None or old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
-        if not shared and not any(p.fragment == e.fragment for p in self.pending):
+        if old is not None and not same and not any(p.fragment == f for p in self.pending):
             self.buffers.give(old)
         del old
         return waited

@@ -25,6 +25,7 @@ import torch
 
 from ray_diloco.core.quantize import quantize_with_feedback
 from ray_diloco.core.shards import exchange_index, shard_bounds
+from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import SyncBuffers
 from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
 
@@ -87,6 +88,10 @@ class Link:
         units: exchange units per fragment (``diloco.sharding: fsdp``: W, every rank sends its
             own rows of fragment f as unit ``f * W + rank``, ``core.shards.exchange_index``; 1:
             rank 0 sends the fragment).
+        staging: the worker's ``core.staging.DeviceStaging`` when it keeps device globals: the
+            link thread waits for a pseudo-gradient's copy from the GPU before reading it, and
+            copies each new global value to the GPU (off the training stream) before the
+            training thread merges it.
     """
 
     driver: Any
@@ -101,15 +106,18 @@ class Link:
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: LinkStats = field(default_factory=LinkStats)
     units: int = 1
+    staging: DeviceStaging | None = None
 
     def __post_init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
 
     def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor, version: int = 0, average_only: bool = False) -> Future:
+                 old_global: torch.Tensor, version: int = 0, average_only: bool = False,
+                 ready: Any = None) -> Future:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
-        ``Future[SyncResult]``.
+        ``Future[SyncResult]``. ``ready``: called on the link thread before ``delta`` is read (its
+        copy from the GPU is still running, ``core.staging``).
 
         ``delta`` (fp32 ``[numel_p]``, owned by the link from now on, then handed back to
         :attr:`buffers`) is required on rank 0 and
@@ -120,7 +128,7 @@ class Link:
         use (dropped, rejected, failed) leaves the residual as it was: the replica's next
         pseudo-gradient still contains it.
         """
-        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
+        return self._pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only, ready)
 
     def _sleep(self, nbytes: int) -> None:
         d = link_delay_s(nbytes, self.bandwidth_gbps, self.latency_ms)
@@ -130,11 +138,13 @@ class Link:
                 self.stats.emulated_delay_s += d
 
     def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-             old_global: torch.Tensor, version: int, average_only: bool) -> SyncResult:
+             old_global: torch.Tensor, version: int, average_only: bool, ready: Any = None) -> SyncResult:
         import ray
 
         t0 = time.perf_counter()
         up = 0
+        if ready is not None:
+            ready()
         unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
         if self.rank == 0 or self.units > 1:
             before = self.residuals.get(fragment)
@@ -160,9 +170,12 @@ class Link:
         self._sleep(down)
         new_global = decode_reply(old_global, resolve_reply(reply),
                                   alloc=None if self.buffers is None else self.buffers.take)
+        staged = None
+        if self.staging is not None and new_global is not old_global:
+            staged = self.staging.to_device(new_global)
         with self._lock:
             self.stats.busy_s += time.perf_counter() - t0
-        return SyncResult(new_global, up, down, reply.status, reply.version)
+        return SyncResult(new_global, up, down, reply.status, reply.version, staged)
 
     def _encode(self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None) -> list[np.ndarray] | None:
         """The uplink messages, one numpy buffer per outer-optimiser shard (None: non-finite,

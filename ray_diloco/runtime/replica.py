@@ -39,6 +39,7 @@ from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_pl
                                        tensor_hash, unflatten_into)
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
 from ray_diloco.core.shards import rank_fragment
+from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.errors import ClusterError, ConfigError
@@ -437,9 +438,12 @@ class ReplicaWorker(WorkerState):
         """Connect to the outer-optimiser driver; from now on ``train`` syncs fragments on
         ``schedule`` through a background :class:`~ray_diloco.runtime.link.Link`."""
         s, n, k = self.cfg.streaming, self.cfg.network, self.cfg.diloco.outer_shards
+        # a GPU worker keeps device globals (core.staging): its copies to and from the host leave
+        # the training stream
+        staging = DeviceStaging(self.device) if self.device.type == "cuda" and s.device_globals else None
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
                                         n.bandwidth_gbps, n.latency_ms, k, self.sync.buffers,
-                                        units=self.world_size if self.fsdp else 1))
+                                        units=self.world_size if self.fsdp else 1, staging=staging), staging)
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at

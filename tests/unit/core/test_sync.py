@@ -24,6 +24,7 @@ from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import decode, from_message, quantize_message, quantize_with_feedback
 from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import FAILED, OK, REJECTED, Downlink, Reply, SyncResult, decode_reply
 
@@ -99,19 +100,24 @@ class MemoryDriver:
 
 class MemoryTransport:
     """``core.sync.Transport`` over a :class:`MemoryDriver` (rank 0 of a replica), with the
-    link's error feedback: a residual kept per fragment, restored when the round did not use it."""
+    link's error feedback: a residual kept per fragment, restored when the round did not use it,
+    and its device staging (waits for the pseudo-gradient's copy, stages the new global value)."""
 
-    def __init__(self, driver: MemoryDriver, replica: int, fmt: str = "none", error_feedback: bool = False):
+    def __init__(self, driver: MemoryDriver, replica: int, fmt: str = "none", error_feedback: bool = False,
+                 staging: DeviceStaging | None = None):
         self.driver, self.replica, self.fmt, self.error_feedback = driver, replica, fmt, error_feedback
+        self.staging = staging
         self.residuals: dict[int, torch.Tensor] = {}
         self.exchanges = 0
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.buffers = None  # FragmentSync.buffers, used as runtime/link.py's Link uses them
 
-    def exchange(self, fragment, step, weight, delta, old_global, version=0, average_only=False) -> Future:
-        return self.pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only)
+    def exchange(self, fragment, step, weight, delta, old_global, version=0, average_only=False, ready=None) -> Future:
+        return self.pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only, ready)
 
-    def _run(self, fragment, step, weight, delta, old_global, version, average_only) -> SyncResult:
+    def _run(self, fragment, step, weight, delta, old_global, version, average_only, ready) -> SyncResult:
+        if ready is not None:
+            ready()
         before, message = self.residuals.get(fragment), None
         if bool(torch.isfinite(delta).all()):
             message, residual = quantize_with_feedback(delta, self.fmt, before)
@@ -124,8 +130,9 @@ class MemoryTransport:
             self.residuals.pop(fragment, None) if before is None else self.residuals.__setitem__(fragment, before)
         self.exchanges += 1
         alloc = None if self.buffers is None else self.buffers.take
-        return SyncResult(decode_reply(old_global, reply, alloc=alloc), len(message or b""), reply.nbytes,
-                          reply.status, reply.version)
+        new = decode_reply(old_global, reply, alloc=alloc)
+        staged = self.staging.to_device(new) if self.staging is not None and new is not old_global else None
+        return SyncResult(new, len(message or b""), reply.nbytes, reply.status, reply.version, staged)
 
     def residual_state(self) -> dict[int, np.ndarray]:
         return {f: r.numpy().copy() for f, r in self.residuals.items()}
@@ -145,17 +152,19 @@ class Replica:
     """Parameters, a ``FragmentSync`` and the seeded inner steps of one replica."""
 
     def __init__(self, m: int, driver: MemoryDriver, schedule: SyncSchedule, alpha: float, fmt: str = "none",
-                 error_feedback: bool = False, trace: bool = False):
+                 error_feedback: bool = False, trace: bool = False, mirror: bool = False):
         self.m = m
         self.params = _initial()
         self.resets = 0
+        # mirror: the device-globals path (core.staging) with CPU "device" copies
+        staging = DeviceStaging("cpu", mirror=True) if mirror else None
         self.sync = FragmentSync(self.params, FRAGMENTS, alpha=alpha, batch=BATCH, seq_len=SEQ, world_size=WORLD,
                                  trace=trace, on_reset=self._on_reset)
+        self.transport = MemoryTransport(driver, m, fmt, error_feedback, staging)
+        self.transport.buffers = self.sync.buffers
+        self.sync.attach(schedule, self.transport, staging)  # as the worker: attached, then the globals loaded
         for f, g in enumerate(driver.opt.global_params()):
             self.sync.load_global(f, g, driver.versions[f])
-        self.transport = MemoryTransport(driver, m, fmt, error_feedback)
-        self.transport.buffers = self.sync.buffers
-        self.sync.attach(schedule, self.transport)
 
     def _on_reset(self) -> None:
         self.resets += 1
@@ -179,10 +188,17 @@ def _lockstep(replicas: list[Replica], start: int, end: int) -> None:
                 fut.result()
 
 
-def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, trace=False, M=2, H=12):
+def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, trace=False, M=2, H=12,
+           mirror=False):
     schedule = SyncSchedule(H=H, num_fragments=len(FRAGMENTS), overlap=tau, total_steps=T)
     driver = MemoryDriver([flatten(_initial(), f) for f in FRAGMENTS], M, fmt, fail)
-    return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, trace) for m in range(M)]
+    return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, trace, mirror) for m in range(M)]
+
+
+def _device_copies_current(r: Replica) -> bool:
+    """With device globals: each fragment's device copy is its own storage and equals the host global."""
+    return all(d is not None and d.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+               and torch.equal(d, g) for d, g in zip(r.sync.global_dev, r.sync.global_flat))
 
 
 def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
@@ -220,13 +236,14 @@ def _unflatten(params: dict[str, torch.Tensor], f: int, flat: torch.Tensor) -> N
         off += p.numel
 
 
-@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+@pytest.mark.parametrize("fmt,mirror", [("none", False), ("fp4_e3m0", False), ("none", True), ("fp4_e3m0", True)])
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha):
+def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha, mirror):
     """Streaming fragments (4, strided), tau 2, a closing round at T=64: both replicas hold
     bitwise-identical global fragments, equal to the driver's and to a direct replay with
-    ``OuterOptimizer``; the local parameters follow the replay too."""
-    schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt)
+    ``OuterOptimizer``; the local parameters follow the replay too. ``mirror``: the same with
+    device globals (``core.staging``: pseudo-gradients and merges computed on the device copies)."""
+    schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt, mirror=mirror)
     _lockstep(reps, 0, 36)
     [r.sync.settle() for r in reps]  # every round sent so far answered (merges stay at their step)
     made, rounds = [r.sync.buffers.allocated for r in reps], sum(driver.versions)
@@ -248,6 +265,7 @@ def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fm
     # once every fragment has synced, pseudo-gradients and decoded globals reuse buffers
     # (SyncBuffers) instead of two new ones per round; the results above are still the replay's
     assert steady == (2 * len(FRAGMENTS), made)
+    assert all(_device_copies_current(r) for r in reps) if mirror else reps[0].sync.global_dev == [None] * 4
 
 
 def test_sync_buffers_reuse_only_their_own_tensors_and_keep_a_bounded_number():
@@ -318,13 +336,14 @@ def test_alpha_blends_the_local_and_the_new_global_parameters(alpha):
     assert not torch.equal(before[0], before[1])  # the replicas did differ
 
 
-def test_a_failed_round_keeps_the_local_parameters_and_the_previous_send_step():
+@pytest.mark.parametrize("mirror", [False, True])
+def test_a_failed_round_keeps_the_local_parameters_and_the_previous_send_step(mirror):
     """No quorum for fragment 0's second round: global value and version unchanged, local
     parameters untouched, and the fragment's next pseudo-gradient is weighted by the tokens of
-    both intervals (its last send step went back to the first send)."""
+    both intervals (its last send step went back to the first send). Also with device globals."""
     H, tau = 8, 1
     first, second, third = H, 2 * H, 3 * H  # fragment 0 has offset 0
-    schedule, driver, reps = _setup(tau=tau, T=40, alpha=0.5, H=H, fail=[(0, second)])
+    schedule, driver, reps = _setup(tau=tau, T=40, alpha=0.5, H=H, fail=[(0, second)], mirror=mirror)
     _lockstep(reps, 0, second + tau - 1)
     g0, v0 = reps[0].sync.global_flat[0].clone(), reps[0].sync.global_version[0]
     assert [r.sync.last_send[0] for r in reps] == [second, second]
@@ -341,13 +360,16 @@ def test_a_failed_round_keeps_the_local_parameters_and_the_previous_send_step():
         r.sync.settle()  # the round sent at `third` has reached the driver
     assert driver.weights[(0, second)] == {0: float(H * TOKENS), 1: float(H * TOKENS)}
     assert driver.weights[(0, third)] == {0: float(2 * H * TOKENS), 1: float(2 * H * TOKENS)}
+    assert not mirror or all(_device_copies_current(r) for r in reps)
 
 
-def test_a_rejected_round_resets_the_replica_to_the_global_parameters():
+@pytest.mark.parametrize("mirror", [False, True])
+def test_a_rejected_round_resets_the_replica_to_the_global_parameters(mirror):
     """Replica 1's pseudo-gradient of fragment 3 is not finite: it abstains, the driver steps on
     replica 0's alone and rejects 1, which at the merge resets every fragment to the global
-    values (and its inner optimiser, ``on_reset``); replica 0 merges as usual."""
-    schedule, driver, reps = _setup(tau=1, T=30, alpha=0.5, H=8)
+    values (and its inner optimiser, ``on_reset``); replica 0 merges as usual. Also with device
+    globals (the reset reads the device copies)."""
+    schedule, driver, reps = _setup(tau=1, T=30, alpha=0.5, H=8, mirror=mirror)
     s = schedule.offset(3) + 8
     _lockstep(reps, 0, s - 1)
     for r in reps:
@@ -363,6 +385,7 @@ def test_a_rejected_round_resets_the_replica_to_the_global_parameters():
     assert torch.isfinite(reps[1].local(3)).all() and not torch.equal(reps[0].local(3), driver.opt.params[3])
     _lockstep(reps, s + 1, 30)  # and the run goes on
     assert all(torch.equal(reps[0].sync.global_flat[f], reps[1].sync.global_flat[f]) for f in range(len(FRAGMENTS)))
+    assert not mirror or all(_device_copies_current(r) for r in reps)
 
 
 def test_state_dict_round_trip_continues_bitwise_identically():

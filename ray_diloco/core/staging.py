@@ -1,0 +1,117 @@
+"""Where the exchange meets the training device: the copies between a GPU and host memory,
+kept off the training stream and the training thread.
+
+Streaming DiLoCo (arXiv 2501.18512, section 2) overlaps the exchange with training; on a GPU
+that only holds if the copies to and from host memory overlap too. With a
+:class:`DeviceStaging` on a CUDA device, ``core.sync.FragmentSync`` keeps a device copy of every
+global fragment (fp32, +4 bytes per parameter of device memory) and:
+
+* at a send, computes the pseudo-gradient ``global - local`` on the device (the training
+  stream: one subtraction kernel per parameter), then :meth:`DeviceStaging.to_host` copies it
+  into a pinned host buffer on a side stream, ordered after the subtraction by
+  ``wait_stream``; the link thread (``runtime/link.py``) waits for the copy's event before it
+  quantises and sends, so the training thread never waits for the host;
+* when a reply arrives, the link thread copies the new global value to the device on the
+  side stream and waits for it there (:meth:`DeviceStaging.to_device`); the merge at
+  ``send + tau`` is then device-to-device work on the training stream.
+
+Quantisation stays on the host, in the link thread (off the training thread; on the device it
+would only shrink the device-to-host copy, which already overlaps). On a CPU device there is
+nothing to stage: the host globals are the device's, ``on_device`` is False and every method
+copies at once. ``mirror=True`` keeps separate "device" copies on the CPU anyway, so the
+bookkeeping of the device path (which copy is read where) runs and is tested without a GPU.
+
+Memory safety: a tensor made on one stream and used on another is marked with
+``Tensor.record_stream`` so the caching allocator does not reuse it before that stream's
+work on it is done; host buffers are read or reused only after the link thread has waited for
+the copy's event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def _done() -> None:
+    """A copy that has already finished."""
+
+
+@dataclass
+class Staged:
+    """A global fragment copied to the device by the link thread: ``tensor`` (fp32 ``[numel_p]``
+    on the device; the copy has finished) and the stream it was made on (None on CPU)."""
+
+    tensor: torch.Tensor
+    stream: object | None = None
+
+
+class DeviceStaging:
+    """Copies between the training device and host memory for one worker (see the module).
+
+    Args:
+        device: the worker's training device.
+        mirror: on a CPU device, keep separate device copies anyway (tests of the device path).
+    """
+
+    def __init__(self, device: torch.device | str, mirror: bool = False):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.on_device = self.cuda or mirror
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    @property
+    def pin(self) -> bool:
+        """Whether host buffers for this device should be pinned (page-locked): a CUDA device."""
+        return self.cuda
+
+    def put(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (fp32 ``[n]``) made now on the calling thread's stream (set-up,
+        resume, a fallback); the caller's later work on that stream sees it."""
+        return host.to(self.device, torch.float32, copy=True)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """Start copying ``src`` (fp32 ``[n]`` on the device, computed on the current stream) into
+        ``out`` (fp32 ``[n]`` host memory, pinned on CUDA); returns ``wait``, which blocks its caller
+        until ``out`` holds the values (the link thread calls it before reading ``out``). The copy
+        runs on the side stream after the work already queued on the current stream; ``src`` is
+        not reused by the allocator before it is done. Without CUDA it copies now."""
+        if not self.cuda:
+            if out.data_ptr() != src.data_ptr():
+                out.copy_(src)
+            return _done
+        main = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            out.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        src.record_stream(self._stream)
+        return event.synchronize
+
+    def to_device(self, host: torch.Tensor) -> Staged | None:
+        """Copy a new global value ``host`` (fp32 ``[n]``) to a new device tensor on the side
+        stream and wait for it (called by the link thread, so the training thread does not
+        wait); None when there is no device copy to keep (CPU without ``mirror``)."""
+        if not self.on_device:
+            return None
+        if not self.cuda:
+            return Staged(host.to(self.device, torch.float32, copy=True))
+        with torch.cuda.stream(self._stream):
+            dev = torch.empty(host.shape, dtype=torch.float32, device=self.device)
+            dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        event.synchronize()  # also: ``host`` may be reused from here on
+        return Staged(dev, self._stream)
+
+    def adopt(self, staged: Staged) -> torch.Tensor:
+        """``staged``'s tensor, for use on the calling thread's current stream (its memory is not
+        reused before that stream's work on it is done)."""
+        if self.cuda and staged.stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            if main != staged.stream:
+                staged.tensor.record_stream(main)
+        return staged.tensor
