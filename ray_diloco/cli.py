@@ -42,6 +42,12 @@ def _add_run_commands(sub: Any) -> None:
     e = sub.add_parser("eval", help="validation loss of a run's newest checkpoint (global parameters)")
     e.add_argument("run_dir", help="a run directory (with checkpoints/)")
     e.add_argument("--step", type=int, default=None, help="outer step of the checkpoint (default: newest)")
+    e.add_argument("--address", default=None,
+                   help="evaluate on this Ray cluster ('auto', HOST:PORT), in tasks with the run's worker "
+                        "resources (its GPUs); default: in this process (first GPU, else CPU)")
+    e.add_argument("--workers", type=int, default=None,
+                   help="tasks on the cluster (default: the run's replicas x workers per replica); "
+                        "without --address: on RAY_ADDRESS's cluster or a local one")
 
     g = sub.add_parser("generate", help="sample text from a run's exported model")
     g.add_argument("run_dir")
@@ -182,9 +188,16 @@ def _cmd_train(a: argparse.Namespace) -> int:
 
 
 def _cmd_eval(a: argparse.Namespace) -> int:
-    from ray_diloco.components.evaluate import evaluate_run
+    if a.workers is not None and a.workers < 1:
+        raise RayDilocoError(f"--workers = {a.workers}: must be >= 1")
+    if a.address is not None or a.workers is not None:  # on a Ray cluster, the run's worker resources
+        from ray_diloco.runtime.evaluation import evaluate_run_on_cluster
 
-    loss, step, path = evaluate_run(a.run_dir, a.step)
+        loss, step, path = evaluate_run_on_cluster(a.run_dir, a.step, address=a.address, workers=a.workers)
+    else:
+        from ray_diloco.components.evaluate import evaluate_run
+
+        loss, step, path = evaluate_run(a.run_dir, a.step)
     print(f"checkpoint: {path}")
     print(f"outer step {step}: validation loss {loss:.4f}")
     return 0

@@ -228,6 +228,15 @@ def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
 EVAL_TOKENS = 1 << 20
 
 
+def eval_split(val: Any, eval_tokens: int | None) -> Any:
+    """The validation tokens an evaluation reads: the first ``eval_tokens`` (+1, the last window's
+    target) of ``val`` (default :data:`EVAL_TOKENS`); ``val`` itself when it is no longer."""
+    keep = (eval_tokens if eval_tokens is not None else EVAL_TOKENS) + 1
+    if len(val) <= keep:
+        return val
+    return val.head(keep) if hasattr(val, "head") else val[:keep]
+
+
 def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     """The corpus of the store ``cfg.prepared`` (:mod:`~ray_diloco.components.token_store`):
     ``train``/``val`` are :class:`TokenSplit` s (nothing is read but the manifest and tokenizer).

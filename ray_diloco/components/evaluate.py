@@ -1,21 +1,33 @@
 """Offline use of a finished or running run: validation loss of a checkpoint, sampling.
 
-Both run in this process (no Ray needed) on CPU, or on the first GPU when one is present.
+Both run in this process (no Ray needed) on CPU, or on the first GPU when one is present; the
+evaluation on a Ray cluster's devices is ``runtime/evaluation.py`` (it reads through
+:func:`eval_input` too).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ray_diloco.components.checkpoint import checkpoint_config, global_params, latest_checkpoint, list_checkpoints, load_checkpoint
-from ray_diloco.components.data import load_corpus, load_saved_tokenizer, val_batch, val_windows
+from ray_diloco.components.data import eval_split, load_corpus, load_saved_tokenizer, val_batch, val_windows
 from ray_diloco.errors import CheckpointError, RayDilocoError
 from ray_diloco.components.export import model_with_params
 from ray_diloco.models.transformer import lm_loss, logits_of
+
+
+def run_autocast(precision: str, device: torch.device):
+    """The autocast of a run's ``run.precision`` on ``device``, as a context factory (bf16:
+    ``torch.autocast`` to bfloat16, as the run's workers evaluate; fp32: none)."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext
 
 
 @torch.no_grad()
@@ -70,15 +82,27 @@ def model_from_checkpoint(state: dict, vocab_size: int, model_fn=None, run_dir: 
     return model_with_params(cfg, global_params(state), vocab_size, model_fn)
 
 
-def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, corpus=None) -> tuple[float, int, Path]:
-    """Validation loss (nats/token, whole validation split) of a run's checkpoint.
+@dataclass
+class EvalInput:
+    """What an offline evaluation of one checkpoint reads: its lazily loaded ``state`` (``outer.pt``
+    named, not read), the run's ``cfg``, the validation tokens ``val`` (int32, cut to
+    ``run.eval_tokens``), the tokenizer's ``vocab_size``, the outer ``step`` and the checkpoint ``path``."""
 
-    ``model_fn`` and ``corpus`` are needed for runs trained with them from Python.
-    Returns ``(loss, outer_step, checkpoint_path)``.
+    state: dict
+    cfg: Any
+    val: np.ndarray
+    vocab_size: int
+    step: int
+    path: Path
+
+
+def eval_input(run_dir: str | Path, step: int | None = None, corpus=None) -> EvalInput:
+    """The checkpoint of outer step ``step`` (default: the newest) of ``run_dir`` and its validation
+    tokens (``corpus``: the one a run trained from Python used; default: the run's config's).
 
     Raises:
-        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint;
-            a model or corpus that differs from the one the run was trained with.
+        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint; a
+            corpus that differs from the one the run was trained with.
     """
     run_dir = Path(run_dir)
     if step is None:
@@ -95,10 +119,29 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, co
     if state.get("corpus_fingerprint") not in (None, corpus.fingerprint):
         raise CheckpointError(f"run {run_dir}: its corpus differs from {cfg.data.path or 'the bundled corpus'} "
                               "(trained on a corpus passed from Python? pass corpus=...)")
-    model = model_from_checkpoint(state, corpus.vocab_size, model_fn, run_dir)
-    n = val_windows(corpus.val, cfg.data.seq_len)
-    total, count = evaluate_loss(model, corpus.val, cfg.data.seq_len, np.arange(n), cfg.run.eval_batch)
-    return total / count, step, path
+    return EvalInput(state, cfg, np.asarray(eval_split(corpus.val, cfg.run.eval_tokens)), corpus.vocab_size, step, path)
+
+
+def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, corpus=None) -> tuple[float, int, Path]:
+    """Validation loss (nats/token) of a run's checkpoint over the validation tokens the run's
+    evaluations read (``run.eval_tokens``), in the run's ``run.precision``, in this process on
+    the first GPU or else the CPU (on a Ray cluster's devices:
+    :func:`ray_diloco.runtime.evaluation.evaluate_run_on_cluster`).
+
+    ``model_fn`` and ``corpus`` are needed for runs trained with them from Python.
+    Returns ``(loss, outer_step, checkpoint_path)``.
+
+    Raises:
+        CheckpointError: missing run directory, checkpoint or tokenizer; corrupt checkpoint;
+            a model or corpus that differs from the one the run was trained with.
+    """
+    e = eval_input(run_dir, step, corpus)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model = model_from_checkpoint(e.state, e.vocab_size, model_fn, Path(run_dir)).to(device)
+    n = val_windows(e.val, e.cfg.data.seq_len)
+    total, count = evaluate_loss(model, e.val, e.cfg.data.seq_len, np.arange(n), e.cfg.run.eval_batch,
+                                 run_autocast(e.cfg.run.precision, device))
+    return total / count, e.step, e.path
 
 
 def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,

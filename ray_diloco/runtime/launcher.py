@@ -19,7 +19,7 @@ from typing import Any
 
 from ray_diloco.components.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint, lock_run_dir, \
     remove_partial_checkpoints
-from ray_diloco.components.data import EVAL_TOKENS, Corpus, load_corpus, load_saved_tokenizer, num_train_windows
+from ray_diloco.components.data import Corpus, eval_split, load_corpus, load_saved_tokenizer, num_train_windows
 from ray_diloco.components.export import export_model
 from ray_diloco.components.storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
 from ray_diloco.components.tracking import Tracker, write_summary
@@ -258,9 +258,7 @@ def _load_corpus(cfg: Config, run_dir: Path) -> Corpus:
     tok_dir = run_dir / "tokenizer"
     tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
     corpus = load_corpus(cfg.data, tokenizer=tokenizer)
-    keep = (cfg.run.eval_tokens if cfg.run.eval_tokens is not None else EVAL_TOKENS) + 1
-    if len(corpus.val) > keep:
-        corpus.val = corpus.val.head(keep) if hasattr(corpus.val, "head") else corpus.val[:keep]
+    corpus.val = eval_split(corpus.val, cfg.run.eval_tokens)
     return corpus
 
 

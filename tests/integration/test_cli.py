@@ -87,6 +87,7 @@ def test_resume_of_missing_or_corrupt_run(tmp_path):
     line = _one_error_line(run_cli(["train", "--resume", str(run)], timeout=120), "state.pt", "corrupt")
     assert str(ck) in line
     _one_error_line(run_cli(["eval", str(run)], timeout=120), "corrupt")
+    _one_error_line(run_cli(["eval", str(run), "--workers", "0"], timeout=120), "--workers = 0", ">= 1")
     assert (ck / "state.pt").read_bytes() == before  # nothing already written is touched
 
 

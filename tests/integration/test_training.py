@@ -18,7 +18,9 @@ from ray_diloco.components.data import ShardReader, val_windows
 from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
 from ray_diloco.models.transformer import lm_loss, logits_of
 from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.components.checkpoint import load_checkpoint
 from ray_diloco.components.evaluate import evaluate_loss
+from ray_diloco.runtime.evaluation import evaluate_on_cluster, evaluate_run_on_cluster
 from ray_diloco.models.transformer import build_model, make_inner_optimizer
 from ray_diloco.core.schedules import inner_lr
 from ray_diloco.runtime.launcher import train
@@ -129,9 +131,11 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
         t.shutdown()
 
 
-def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text):
+def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text, monkeypatch):
     """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export loads in
-    transformers and gives the checkpoint's loss."""
+    transformers and gives the checkpoint's loss; ``ray-diloco eval`` on the cluster (tasks with
+    the run's worker resources, each reading outer.pt itself; or, where a task cannot see it, fed
+    through the object store) gives the same loss as in one process."""
     from transformers import AutoModelForCausalLM
 
     from ray_diloco.components.evaluate import evaluate_run
@@ -144,8 +148,21 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5  # uniform prediction: ln(vocab)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["outer_step"] for r in rows] == [1, 2, 3, 4] and [("eval_loss" in r) for r in rows] == [0, 1, 0, 1]
-    ckpt_loss, step, _ = evaluate_run(run_dir)
+    ckpt_loss, step, path = evaluate_run(run_dir)
     assert step == 4 and ckpt_loss == pytest.approx(summary["final_eval_loss"], abs=1e-5)
+    # other batches than one process's (fp32 means per batch): equal to ~1e-7
+    assert evaluate_run_on_cluster(run_dir, workers=3)[0] == pytest.approx(ckpt_loss, rel=1e-6)
+    state = load_checkpoint(path, lazy=True)
+    total, count, parts = evaluate_on_cluster(state, load_config(state["config"], validate=False), corpus.val,
+                                              corpus.vocab_size)
+    assert total / count == pytest.approx(ckpt_loss, rel=1e-6) and count == val_windows(corpus.val, 16) * 16
+    assert len(parts) == 2 and len({p["pid"] for p in parts}) == 2
+    assert all(p["device"] == "cpu" and p["params"] == "file" for p in parts)
+    # a checkpoint path the tasks cannot see (relative to this process's directory, not theirs)
+    monkeypatch.chdir(path)
+    state["outer"] = {**state["outer"], "file": "outer.pt"}
+    again = evaluate_on_cluster(state, load_config(state["config"], validate=False), corpus.val, corpus.vocab_size)
+    assert again[0] == pytest.approx(total, rel=1e-12) and {p["params"] for p in again[2]} == {"object store"}
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "final"))
     n = val_windows(corpus.val, 16)
     total, count = evaluate_loss(model, corpus.val, 16, np.arange(n), 256)
