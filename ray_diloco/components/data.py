@@ -312,12 +312,11 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(root).expanduser() / "tokens"
 
 
-def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
-    """24 hex digits naming the cache entry of ``path``: the sha256 of the file's bytes, the
-    settings that shape its tokens (text field, document cap, validation fraction) and the
-    tokenizer: the given one's JSON and EOS, or the recipe of ``data.tokenizer`` (``char`` and
-    ``bpe`` are built from the text; a name or path is loaded and its JSON hashed, so a tokenizer
-    changed on disk gets a new entry)."""
+def file_sha256(path: Path) -> str:
+    """The sha256 (hex) of the file's bytes, read in 16 MiB blocks.
+
+    Raises:
+        DataError: the file cannot be read."""
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:
@@ -325,6 +324,16 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
                 h.update(block)
     except OSError as e:
         raise DataError(f"data.path = {str(path)!r}: cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str | None = None) -> str:
+    """24 hex digits naming the cache entry of ``path``: the sha256 of the file's bytes
+    (``file_hash`` when the caller has it), the settings that shape its tokens (text field,
+    document cap, validation fraction) and the tokenizer: the given one's JSON and EOS, or the
+    recipe of ``data.tokenizer`` (``char`` and ``bpe`` are built from the text; a name or path is
+    loaded and its JSON hashed, so a tokenizer changed on disk gets a new entry)."""
+    file_hash = file_hash or file_sha256(path)
     if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):
         tokenizer = build_tokenizer(cfg, [])
     if tokenizer is not None:
@@ -332,7 +341,7 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None) -> str:
                getattr(tokenizer, "eos_token_id", None)]
     else:
         tok = [cfg.tokenizer, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None]
-    recipe = {"version": CACHE_VERSION, "file": h.hexdigest(), "format": _BUILDERS[path.suffix.lower()],
+    recipe = {"version": CACHE_VERSION, "file": file_hash, "format": _BUILDERS[path.suffix.lower()],
               "text_field": cfg.text_field,
               "max_documents": cfg.max_documents, "val_fraction": cfg.val_fraction, "tokenizer": tok}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:24]
@@ -360,11 +369,12 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
 
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
         return _tokenized(cfg, tokenizer)  # a slow (Python) tokenizer: no JSON to key the cache by
-    key = cache_key(cfg, path, tokenizer)
+    file_hash = file_sha256(path)  # once: a resume's two keys (its tokenizer's, the recipe's) share it
+    key = cache_key(cfg, path, tokenizer, file_hash)
     root = cache_root(cfg)
     entry = root / key
     if tokenizer is not None and not (entry / "manifest.json").is_file() and cfg.tokenizer in ("char", "bpe"):
-        recipe = root / cache_key(cfg, path)  # a resume: the entry its first run wrote, when the tokenizer is that one
+        recipe = root / cache_key(cfg, path, file_hash=file_hash)  # a resume: the entry its first run wrote, when the tokenizer is that one
         if (recipe / "manifest.json").is_file():
             try:
                 store = TokenStore(str(recipe), "data.cache_dir")
