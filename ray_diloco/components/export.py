@@ -80,8 +80,8 @@ def write_hf_config(cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any 
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
 
 
-def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_dir: Path,
-                     dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> list[str]:
+def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray] | Callable[[int, int, int], np.ndarray],
+                     out_dir: Path, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> list[str]:
     """The parameters as safetensors named as in the model, in ``dtype``, in shards of at most
     ``max_shard_bytes`` (whole parameters in exchange order; ``model-00001-of-0000N.safetensors``
     and ``model.safetensors.index.json``, as ``save_pretrained`` writes them; one shard:
@@ -89,8 +89,13 @@ def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_di
     Returns the files written.
 
     Args:
-        fragments: the run's fragment plan (names and shapes); ``params`` one fp32 array
-            ``[numel_p]`` per fragment (or a callable ``f -> array``, fetched when needed).
+        fragments: the run's fragment plan (names and shapes).
+        params: one fp32 array ``[numel_p]`` per fragment, or a reader ``(fragment, start, stop)
+            -> fp32 array`` of that fragment's values ``[start, stop)``, called once per parameter
+            (the driver's outer shards: no copy of the whole model is made).
+
+    Raises:
+        CheckpointError: arrays (or values read) of the wrong size.
     """
     import json
 
@@ -111,16 +116,20 @@ def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray], out_di
             off += p.numel
     n = len(groups)
     names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    flat: dict[int, np.ndarray] = {}
+    if callable(params):
+        read = params
+    else:
+        check_sizes(fragments, params)
+        read = lambda i, start, stop: np.asarray(params[i], dtype=np.float32).reshape(-1)[start:stop]  # noqa: E731
     weight_map, total = {}, 0
     for name, group in zip(names, groups):
         tensors: dict[str, torch.Tensor] = {}
         for i, off, p in group:
-            if i not in flat:  # one fragment's values at a time
-                flat = {i: np.asarray(params[i](i) if callable(params[i]) else params[i], dtype=np.float32)}
-                check_sizes([fragments[i]], [flat[i]])
+            values = np.asarray(read(i, off, off + p.numel), dtype=np.float32)
+            if values.size != p.numel:
+                raise CheckpointError(f"parameter {p.name}: {values.size:,} values read, expected {p.numel:,}")
             # a copy each: safetensors stores whole storages, not views of a fragment
-            tensors[p.name] = torch.from_numpy(flat[i][off : off + p.numel]).to(dtype, copy=True).view(p.shape)
+            tensors[p.name] = torch.from_numpy(values).to(dtype, copy=True).view(p.shape)
             weight_map[p.name] = name
             total += p.numel * itemsize
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
@@ -137,7 +146,6 @@ def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.nda
     """A transformers checkpoint of a preset model without building the model (nor importing its
     modelling code, nor initialising its weights): :func:`write_hf_config` and
     :func:`write_hf_weights`."""
-    check_sizes(fragments, params)
     write_hf_config(cfg, vocab_size, out_dir, tokenizer, dtype)
     write_hf_weights(fragments, params, out_dir, dtype)
 

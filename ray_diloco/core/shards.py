@@ -138,6 +138,22 @@ def _row_runs(fragment: Fragment, ranks: int, rank: int):
         part += n
 
 
+def read_fragment_range(fragment: Fragment, ranks: int, read_part: Any, start: int, stop: int) -> np.ndarray:
+    """Values ``[start, stop)`` of a fragment's full flat fp32 vector (a new array) from its
+    ``ranks`` rank parts (:func:`rank_fragment` layout), reading only the pieces that fall in the
+    range: ``read_part(rank, part_start, part_stop)`` gives that many fp32 values of a rank's part.
+    ``ranks`` = 1: one read of ``[start, stop)``. Used to export a parameter at a time."""
+    if ranks == 1:
+        return np.asarray(read_part(0, start, stop), dtype=np.float32).reshape(-1)
+    out = np.empty(stop - start, dtype=np.float32)
+    for rank in range(ranks):
+        for full, at, n in _row_runs(fragment, ranks, rank):
+            lo, hi = max(full, start), min(full + n, stop)
+            if lo < hi:
+                out[lo - start:hi - start] = read_part(rank, at + lo - full, at + hi - full)
+    return out
+
+
 def join_rank_parts(parts: list[Any], fragment: Fragment) -> torch.Tensor:
     """A fragment's flat fp32 ``[numel]`` from its W ranks' flat parts (rank order; arrays, also
     read-only ones from the object store, or tensors of :func:`rank_fragment` sizes).

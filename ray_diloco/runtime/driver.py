@@ -243,6 +243,10 @@ class OuterShard:
         """Copies of this shard's slice of every fragment, fp32."""
         return await self._maths(self.opt.global_params)
 
+    def read(self, unit: int, start: int, stop: int) -> np.ndarray:
+        """A copy of values ``[start, stop)`` of this shard's slice of exchange unit ``unit`` (fp32)."""
+        return self.opt.params[unit][start:stop].numpy().copy()
+
     async def state_dict(self) -> dict[str, Any]:
         """This slice's global values, optimiser state, step counts, residuals and versions."""
         return await self._maths(lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(),
@@ -410,6 +414,17 @@ class _DriverReads:
         per_shard = await self._quiet("global_params")
         return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*per_shard)]
 
+    async def read_unit(self, unit: int, start: int, stop: int) -> np.ndarray:
+        """Global values ``[start, stop)`` of exchange unit ``unit`` (fp32, a copy), read from the
+        shards holding them (only those slices: no shard sends its whole state)."""
+        await self._ready()
+        parts = []
+        for k, b in enumerate(shard_bounds(self.numels[unit], self.shards.k)):
+            lo, hi = max(start, b.start), min(stop, b.stop)
+            if lo < hi:
+                parts.append(await self.shards.one(k, "read", unit, lo - b.start, hi - b.start))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
     async def global_versions(self) -> list[int]:
         """Outer steps applied to each fragment (what a joiner's versions start from)."""
         return list(self.versions)
@@ -457,20 +472,30 @@ class _DriverReads:
     async def export_weights(self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype,
                              token: str) -> dict[str, int] | None:
         """Write the global parameters as the exported model's safetensors into ``out_dir``
-        (``components.export.write_hf_weights``: named as in the model, in ``dtype``, shard by
-        shard), from this process (the job's never holds them); ``fragments``: the run's plan,
-        ``units`` the exchange units per fragment (FSDP: W). Returns ``{file: bytes}``, or None
+        (``components.export.write_hf_weights``: named as in the model, in ``dtype``, file by
+        file), from this process (the job's never holds them), reading one parameter at a time
+        from the outer shards (:meth:`read_unit`; FSDP: its rows from each rank's unit,
+        ``core.shards.read_fragment_range``): besides the file being written no copy of the model
+        is made. ``fragments``: the run's plan, ``units`` the exchange units per fragment (FSDP:
+        W). Call when no outer step runs (the end of a run). Returns ``{file: bytes}``, or None
         when this node does not see ``out_dir`` (no ``token`` marker there)."""
         from pathlib import Path
 
         from ray_diloco.components.checkpoint import sees_marker
         from ray_diloco.components.export import write_hf_weights
-        from ray_diloco.core.shards import join_units
+        from ray_diloco.core.shards import read_fragment_range
 
         if not sees_marker(out_dir, token):
             return None
-        params = join_units(await self.global_params(), fragments, units)
-        names = await asyncio.to_thread(write_hf_weights, fragments, params, Path(out_dir), dtype)
+        await self._ready()
+        loop = asyncio.get_running_loop()
+
+        def read(i: int, start: int, stop: int) -> np.ndarray:  # on the writer's thread
+            def part(rank: int, a: int, b: int) -> np.ndarray:
+                return asyncio.run_coroutine_threadsafe(self.read_unit(i * units + rank, a, b), loop).result()
+            return read_fragment_range(fragments[i], units, part, start, stop)
+
+        names = await asyncio.to_thread(write_hf_weights, fragments, read, Path(out_dir), dtype)
         return {n: (Path(out_dir) / n).stat().st_size for n in names}
 
     async def load_state_file(self, entry: dict[str, Any], checkpoint_id: str | None = None) -> bool:

@@ -132,8 +132,9 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
 
 
 def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text, monkeypatch):
-    """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export loads in
-    transformers and gives the checkpoint's loss; ``ray-diloco eval`` on the cluster (tasks with
+    """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export (written by the
+    driver a parameter at a time from two outer-shard actors) loads in transformers and gives the
+    checkpoint's loss; ``ray-diloco eval`` on the cluster (tasks with
     the run's worker resources, each reading outer.pt itself; or, where a task cannot see it, fed
     through the object store) gives the same loss as in one process."""
     from transformers import AutoModelForCausalLM
@@ -141,7 +142,8 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     from ray_diloco.components.evaluate import evaluate_run
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2,
-                                     run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text)))
+                                     run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text),
+                                     diloco__outer_shards=2))  # the export reads each parameter from 2 shard actors
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "ddp"
     assert summary["run_dir"] == str(run_dir) and json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 20

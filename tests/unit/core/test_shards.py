@@ -108,6 +108,9 @@ def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
     a, b = rounds(one, 1, (5, 10, 15)), rounds(three, 3, (5, 10, 15))
     for x, y, g in zip(a, b, ray.get(three.global_params.remote())):
         assert torch.equal(x, y) and np.array_equal(g, y.numpy())
+    # a range read across the shards' slices (what the export reads, a parameter at a time)
+    for lo, hi in [(5, 69_000), (0, 70_000), (23_400, 23_500), (7, 7)]:
+        assert np.array_equal(ray.get(three.read_unit.remote(1, lo, hi)), b[1].numpy()[lo:hi])
     assert ray.get(one.state_hash.remote()) == ray.get(three.state_hash.remote())
     s1, s3 = ray.get(one.state_dict.remote()), ray.get(three.state_dict.remote())
     for f in range(2):
@@ -139,7 +142,8 @@ def test_fsdp_rank_parts_are_fully_shards_layout_and_join_back():
     """Rank parts cut every parameter's first dimension as FSDP2's Shard(0) does (ceil(rows/W) per
     rank, trailing ranks short or empty); joining the W parts gives the fragment back exactly."""
     from ray_diloco.core.fragments import Fragment, ParamSpec
-    from ray_diloco.core.shards import exchange_index, join_rank_parts, rank_fragment, rank_rows, split_rank_part
+    from ray_diloco.core.shards import (exchange_index, join_rank_parts, rank_fragment, rank_rows, read_fragment_range,
+                                        split_rank_part)
 
     assert [rank_rows(5, 3, r) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert [rank_rows(2, 3, r) for r in range(3)] == [slice(0, 1), slice(1, 2), slice(2, 2)]
@@ -150,6 +154,16 @@ def test_fsdp_rank_parts_are_fully_shards_layout_and_join_back():
         assert [p.numel() for p in parts] == [rank_fragment(frag, W, r).numel for r in range(W)]
         assert sum(p.numel() for p in parts) == frag.numel
         assert torch.equal(join_rank_parts(parts, frag), flat)
+        reads = []
+
+        def part(rank, a, b):
+            reads.append(b - a)
+            return parts[rank][a:b].numpy()
+
+        for lo, hi in [(0, 15), (15, 17), (17, frag.numel), (3, 40), (0, frag.numel), (9, 9)]:
+            reads.clear()
+            assert np.array_equal(read_fragment_range(frag, W, part, lo, hi), flat[lo:hi].numpy()), (W, lo, hi)
+            assert sum(reads) == hi - lo  # only the pieces in the range are read
         # each part is the rank's rows of each parameter, in order
         r = W - 1
         rows_a = rank_rows(5, W, r)
