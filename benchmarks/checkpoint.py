@@ -20,7 +20,14 @@ Figures, memory in units of U = 4 P bytes (one fp32 copy of the model):
   and ``ratio`` = ``seconds / (written_u x save_s)`` (1.0: as fast as writing the same bytes
   from one process).
 
-    python benchmarks/checkpoint.py [--params 1e8] [--replicas 2] [--repeats 2] [--json PATH]
+The export (``--export``): the outer-optimiser driver writes the exported model's safetensors
+(bf16) from global parameters shaped like a transformer's (``--params`` values in 4 fragments of
+16 matrices of 1024 rows), reading one parameter at a time from its K outer shards
+(``OuterDriver.export_weights``); the baseline, in the same run, is the export as it was: the
+whole global parameters fetched into one process (``global_params``), then written. Figures:
+the writing process's peak extra memory (``RssAnon``) in U, and the seconds.
+
+    python benchmarks/checkpoint.py [--params 1e8] [--replicas 2] [--repeats 2] [--export] [--json PATH]
 """
 
 from __future__ import annotations
@@ -181,11 +188,57 @@ def measure(params: int, replicas: int, repeats: int, out_dir: str) -> dict:
     return res
 
 
+def measure_export(params: int, shards: int, out_dir: str) -> dict:
+    """The driver's export (per-parameter reads from ``shards`` outer shards) against fetching the
+    whole global parameters into this process and writing them (the export before)."""
+    import numpy as np
+    import ray
+
+    from ray_diloco.components.checkpoint import place_marker
+    from ray_diloco.components.export import write_hf_weights
+    from ray_diloco.config import load_config
+    from ray_diloco.core.fragments import ParamSpec, plan_fragments
+    from ray_diloco.runtime.driver import OuterDriverActor
+
+    cols = max(1, params // (4 * 16 * 1024))
+    specs = [ParamSpec(f"model.layers.{b}.m{j}.weight", (1024, cols)) for b in range(4) for j in range(16)]
+    frags = plan_fragments(specs, 4)
+    frags = [f for f in frags if f.numel]
+    U = 4 * sum(f.numel for f in frags)
+    cfg = load_config({"diloco": {"outer_shards": shards}})
+    driver = OuterDriverActor.remote(None, cfg.to_dict())
+    rng = np.random.default_rng(0)
+    ray.get(driver.init_global.remote([ray.put(rng.standard_normal(f.numel, dtype=np.float32)) for f in frags]))
+    pids = ray.get(driver.outer_pids.remote())
+    res = {"params": U // 4, "shards": shards}
+    for name in ("driver_reads", "fetch_whole"):
+        d = Path(out_dir) / f"export-{name}-{shards}"
+        d.mkdir()
+        me = os.getpid()
+        peak = Peak([me, *pids])
+        t0 = time.perf_counter()
+        if name == "driver_reads":
+            ray.get(driver.export_weights.remote(str(d), frags, 1, torch.bfloat16, place_marker(d)))
+            writer = pids[0]
+        else:
+            # the driver's copies (as its global_params made them), not read-only object-store views
+            write_hf_weights(frags, [np.array(x) for x in ray.get(driver.global_params.remote())], d, torch.bfloat16)
+            writer = me
+        seconds = time.perf_counter() - t0
+        mem = peak.stop()
+        res[name] = {"seconds": seconds, "writer_extra_u": (mem[writer][1] - mem[writer][0]) / U,
+                     "shards_extra_u": max(((mem[p][1] - mem[p][0]) / U for p in pids[1:]), default=0.0),
+                     "written_u": sum(f.stat().st_size for f in d.iterdir()) / U}
+    ray.kill(driver)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=1e8)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--export", action="store_true", help="measure the driver's export instead")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import ray
@@ -193,9 +246,23 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="ERROR")
     try:
         with tempfile.TemporaryDirectory(dir=str(ROOT)) as tmp:
-            res = measure(int(a.params), a.replicas, a.repeats, tmp)
+            if a.export:
+                res = {"export": [measure_export(int(a.params), k, tmp) for k in (1, 2)]}
+            else:
+                res = measure(int(a.params), a.replicas, a.repeats, tmp)
     finally:
         ray.shutdown()
+    if a.export:
+        print(f"export of {res['export'][0]['params']:,} parameters in bf16 (U = 4 bytes x parameters)")
+        print(f"{'K':>2s} {'export':14s} {'seconds':>8s} {'writer extra U':>15s} {'shard actors extra U':>21s}")
+        for r in res["export"]:
+            for name in ("driver_reads", "fetch_whole"):
+                x = r[name]
+                print(f"{r['shards']:2d} {name:14s} {x['seconds']:8.2f} {x['writer_extra_u']:15.2f} "
+                      f"{x['shards_extra_u']:21.2f}")
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=1))
+        return
     print(f"P = {res['params']:,} parameters, M = {res['replicas']}, U = {4 * res['params'] / 1e9:.2f} GB; "
           f"baseline torch.save of [P] fp32: {res['save_s']:.2f} s")
     print(f"{'checkpoint':12s} {'seconds':>8s} {'ratio':>6s} {'written U':>10s} {'job extra U':>12s} "

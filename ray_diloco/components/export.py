@@ -13,6 +13,7 @@ import torch
 from ray_diloco.config import Config
 from ray_diloco.errors import CheckpointError
 from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
+from ray_diloco.core.wire import as_tensor
 from ray_diloco.models.transformer import ModelFn, resolve_model_shape
 
 
@@ -129,7 +130,7 @@ def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray] | Calla
             if values.size != p.numel:
                 raise CheckpointError(f"parameter {p.name}: {values.size:,} values read, expected {p.numel:,}")
             # a copy each: safetensors stores whole storages, not views of a fragment
-            tensors[p.name] = torch.from_numpy(values).to(dtype, copy=True).view(p.shape)
+            tensors[p.name] = as_tensor(values).to(dtype, copy=True).view(p.shape)
             weight_map[p.name] = name
             total += p.numel * itemsize
         save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
