@@ -26,6 +26,7 @@ reaches the outer optimiser through a scale.
 from __future__ import annotations
 
 import struct
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,99 +58,124 @@ class Packed:
         return int(self.payload.nbytes + self.scales.nbytes)
 
 
-def _blocks(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """``x`` as ``[blocks, BLOCK]`` (a view when no padding is needed, else a zero-padded copy)."""
-    pad = (-x.size) % BLOCK
-    return (np.pad(x, (0, pad)) if pad else x).reshape(-1, BLOCK), pad
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32 ``[n]``) as ``[blocks, BLOCK]`` (a view when no padding is needed, else a
+    zero-padded copy)."""
+    pad = (-x.numel()) % BLOCK
+    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(-1, BLOCK)
 
 
-def _scales(blocks: np.ndarray, max_value: float) -> np.ndarray:
-    absmax = np.abs(blocks).max(axis=1)
-    return np.where(absmax > 0, absmax / max_value, 1.0).astype(np.float32)
+def _scales(blocks: torch.Tensor, max_value: float) -> torch.Tensor:
+    """Per-block scale ``absmax / max_value`` (fp32 division), 1 for an all-zero block."""
+    absmax = blocks.abs().amax(dim=1)
+    return torch.where(absmax > 0, absmax / max_value, torch.ones_like(absmax))
+
+
+def encode_tensor(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode fp32 ``x`` (any shape, flattened) in ``fmt`` on its own device (CPU or GPU: the
+    same bits): ``(payload, scales)``, uint8 ``[payload bytes]`` and fp32 ``[blocks]`` (empty for
+    the unscaled formats), both on ``x``'s device. Does not check finiteness (:func:`encode` does).
+
+    Raises:
+        ValueError: unknown format.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
+    a = x.detach().reshape(-1).float()
+    empty = torch.zeros(0, dtype=torch.float32, device=a.device)
+    if fmt == "none":
+        return a.contiguous().view(torch.uint8).clone(), empty
+    if fmt == "bf16":
+        return a.to(torch.bfloat16).view(torch.uint8), empty
+    n = a.numel()
+    blocks = _blocks(a)
+    if fmt == "int8":
+        s = _scales(blocks, 127.0)
+        q = torch.clamp(torch.round(blocks / s[:, None]), -127, 127).to(torch.int8)
+        return q.reshape(-1)[:n].view(torch.uint8).clone(), s
+    if fmt == "fp8_e4m3":
+        s = _scales(blocks, _FP8_MAX)
+        y = torch.clamp(blocks / s[:, None], -_FP8_MAX, _FP8_MAX)
+        return y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1)[:n].clone(), s
+    # fp4_e3m0: round |y| to the nearest of {0, 2^-2, ..., 2^4} (midpoints in linear scale)
+    s = _scales(blocks, _FP4_MAX)
+    nib = _fp4_nibbles(blocks, s)[:n]
+    if n % 2:
+        nib = torch.cat([nib, nib.new_zeros(1)])
+    return nib[0::2] | (nib[1::2] << 4), s
 
 
 def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
-    """Encode a float vector (any shape, flattened; fp32 math) in ``fmt``.
+    """Encode a float vector (any shape, flattened; fp32 math) in ``fmt`` (on the host).
 
     Raises:
         ValueError: unknown format, or non-finite values in ``x``.
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
-    a = (x.detach().cpu().float().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float32)).reshape(-1)
-    if not np.isfinite(a).all():
-        raise ValueError(f"cannot encode a pseudo-gradient with {int((~np.isfinite(a)).sum())} non-finite values")
-    empty = np.zeros(0, np.float32)
-    if fmt == "none":
-        return Packed(fmt, a.size, a.astype(np.float32).view(np.uint8).copy(), empty)
-    if fmt == "bf16":
-        bits = torch.from_numpy(a.copy()).to(torch.bfloat16).view(torch.int16).numpy()
-        return Packed(fmt, a.size, bits.view(np.uint8).copy(), empty)
-    blocks, _ = _blocks(a)
-    if fmt == "int8":
-        s = _scales(blocks, 127.0)
-        q = np.clip(np.rint(blocks / s[:, None]), -127, 127).astype(np.int8)
-        return Packed(fmt, a.size, q.reshape(-1)[: a.size].view(np.uint8).copy(), s)
-    if fmt == "fp8_e4m3":
-        s = _scales(blocks, _FP8_MAX)
-        y = np.clip(blocks / s[:, None], -_FP8_MAX, _FP8_MAX)
-        q = torch.from_numpy(y.astype(np.float32)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        return Packed(fmt, a.size, q.reshape(-1)[: a.size].copy(), s)
-    # fp4_e3m0: round |y| to the nearest of {0, 2^-2, ..., 2^4} (midpoints in linear scale)
-    s = _scales(blocks, _FP4_MAX)
-    nib = _fp4_nibbles(blocks, s)[: a.size]
-    if nib.size % 2:
-        nib = np.append(nib, np.uint8(0))
-    packed = nib[0::2] | (nib[1::2] << 4)
-    return Packed(fmt, a.size, packed, s)
+    t = x.detach().cpu().float().reshape(-1) if isinstance(x, torch.Tensor) else \
+        torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"cannot encode a pseudo-gradient with {int((~torch.isfinite(t)).sum())} non-finite values")
+    payload, scales = encode_tensor(t, fmt)
+    return Packed(fmt, t.numel(), payload.numpy(), scales.numpy())
 
 
 #: The fp4 rounding thresholds: midpoints between 0, 2^-2, ..., 2^4 (exact in fp32).
 _FP4_MIDS = torch.tensor([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0], dtype=torch.float32)
 #: fp32 value of each fp4 nibble: code 0..7 (0, 2^-2 .. 2^4), bit 3 the sign (-0.0 for code 0).
-_FP4_VALUES = np.array([0.0, *(2.0 ** _FP4_EXP), -0.0, *(-(2.0 ** _FP4_EXP))], np.float32)
+_FP4_VALUES = torch.tensor([0.0, *(2.0 ** _FP4_EXP), -0.0, *(-(2.0 ** _FP4_EXP))], dtype=torch.float32)
 #: Blocks per chunk of the fp4 encoder (1M values): its temporaries stay small.
 _FP4_CHUNK_BLOCKS = 4096
 
 
-def _fp4_nibbles(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def _fp4_nibbles(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp4 nibble (sign << 3 | code) of every value of ``blocks`` ``[nb, BLOCK]`` divided by its
-    block's scale, as uint8 ``[nb * BLOCK]``; computed in chunks of blocks with torch (fp32
-    division, then the code is the number of thresholds <= |y|: numpy's searchsorted 'right')."""
-    out = np.empty(blocks.size, np.uint8)
-    bt, st, ot = torch.from_numpy(blocks), torch.from_numpy(scales), torch.from_numpy(out)
+    block's scale, as uint8 ``[nb * BLOCK]`` on their device; computed in chunks of blocks (fp32
+    division, then the code is the number of thresholds <= |y|: searchsorted 'right')."""
+    out = torch.empty(blocks.numel(), dtype=torch.uint8, device=blocks.device)
+    mids = _FP4_MIDS.to(blocks.device)
     for b0 in range(0, blocks.shape[0], _FP4_CHUNK_BLOCKS):
-        y = (bt[b0 : b0 + _FP4_CHUNK_BLOCKS] / st[b0 : b0 + _FP4_CHUNK_BLOCKS, None]).reshape(-1)
-        code = torch.searchsorted(_FP4_MIDS, y.abs(), right=True, out_int32=True)
+        y = (blocks[b0 : b0 + _FP4_CHUNK_BLOCKS] / scales[b0 : b0 + _FP4_CHUNK_BLOCKS, None]).reshape(-1)
+        code = torch.searchsorted(mids, y.abs(), right=True, out_int32=True)
         code |= ((y < 0) & (code > 0)).to(torch.int32) << 3
-        ot[b0 * BLOCK : b0 * BLOCK + code.numel()] = code.to(torch.uint8)
+        out[b0 * BLOCK : b0 * BLOCK + code.numel()] = code.to(torch.uint8)
     return out
 
 
-def decode(p: Packed) -> np.ndarray:
-    """fp32 vector ``[p.numel]`` from an encoding."""
-    n = p.numel
-    if p.format == "none":
-        return p.payload.view(np.float32)[:n].copy()
-    if p.format == "bf16":
-        return torch.from_numpy(p.payload.view(np.int16).copy()).view(torch.bfloat16).float().numpy()[:n]
-    if p.format == "int8":
-        vals = p.payload.view(np.int8).astype(np.float32)
-    elif p.format == "fp8_e4m3":
-        vals = torch.from_numpy(p.payload.copy()).view(torch.float8_e4m3fn).float().numpy()
-    elif p.format == "fp4_e3m0":
-        nib = np.empty(p.payload.size * 2, np.uint8)
-        nib[0::2], nib[1::2] = p.payload & 0x0F, p.payload >> 4
-        vals = _FP4_VALUES[nib[:n]]  # a new fp32 array
+def decode_tensor(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
+    """fp32 ``[numel]`` from an encoding's ``payload`` (uint8) and ``scales`` (fp32), on their device
+    (the inverse of :func:`encode_tensor`; a new tensor).
+
+    Raises:
+        ValueError: unknown format."""
+    n = numel
+    if fmt == "none":
+        return payload[: 4 * n].view(torch.float32).clone()
+    if fmt == "bf16":
+        return payload[: 2 * n].view(torch.bfloat16).float()
+    if fmt == "int8":
+        vals = payload[:n].view(torch.int8).float()
+    elif fmt == "fp8_e4m3":
+        vals = payload[:n].view(torch.float8_e4m3fn).float()
+    elif fmt == "fp4_e3m0":
+        nib = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1)[:n]
+        vals = _FP4_VALUES.to(payload.device)[nib.long()]
     else:
-        raise ValueError(f"quantization format {p.format!r}: must be one of {', '.join(FORMATS)}")
+        raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
     if n % BLOCK == 0:  # in place: no padded copy
-        blocks = vals.reshape(-1, BLOCK)
-        blocks *= p.scales[:, None]
+        vals.view(-1, BLOCK).mul_(scales[:, None])
         return vals
-    pad = (-n) % BLOCK
-    blocks = np.pad(vals, (0, pad)).reshape(-1, BLOCK) * p.scales[:, None]
-    return blocks.reshape(-1)[:n].astype(np.float32)
+    return (_blocks(vals) * scales[:, None]).reshape(-1)[:n].contiguous()
+
+
+def decode(p: Packed) -> np.ndarray:
+    """fp32 vector ``[p.numel]`` from an encoding (on the host)."""
+    with warnings.catch_warnings():  # a read-only payload (a message's bytes): read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        payload = torch.from_numpy(np.ascontiguousarray(p.payload, dtype=np.uint8))
+        scales = torch.from_numpy(np.ascontiguousarray(p.scales, dtype=np.float32))
+    return decode_tensor(payload, scales, p.numel, p.format).numpy()
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,18 +216,22 @@ def from_message(msg: bytes) -> Packed:
 
 
 def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor]:
-    """Encode fp32 ``x`` ``[n]`` for the wire, with optional error feedback.
+    """Encode fp32 ``x`` ``[n]`` for the wire, with optional error feedback, on ``x``'s device (a
+    GPU: only the encoded bytes are copied to the host; the bits are those of the host).
 
     With ``residual`` (fp32 ``[n]``, last round's quantisation error) the value encoded is
-    ``x + residual``. Returns ``(message, dequantised)``; the caller's new residual is
-    ``(x + residual) - dequantised``.
+    ``x + residual``. Returns ``(message, dequantised)`` (host bytes, and fp32 ``[n]`` on ``x``'s
+    device); the caller's new residual is ``(x + residual) - dequantised``.
 
     Raises:
         ValueError: non-finite values in ``x`` (or the residual).
     """
-    value = x if residual is None else x + residual
-    packed = encode(value, fmt)
-    return to_message(packed), torch.from_numpy(decode(packed))
+    value = (x if residual is None else x + residual).reshape(-1).float()
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"cannot encode a pseudo-gradient with {int((~torch.isfinite(value)).sum())} non-finite values")
+    payload, scales = encode_tensor(value, fmt)
+    sent = decode_tensor(payload, scales, value.numel(), fmt)
+    return to_message(Packed(fmt, value.numel(), payload.cpu().numpy(), scales.cpu().numpy())), sent
 
 
 def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:

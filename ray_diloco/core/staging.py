@@ -7,19 +7,21 @@ that only holds if the copies to and from host memory overlap too. With a
 global fragment (fp32, +4 bytes per parameter of device memory) and:
 
 * at a send, computes the pseudo-gradient ``global - local`` on the device (the training
-  stream: one subtraction kernel per parameter), then :meth:`DeviceStaging.to_host` copies it
-  into a pinned host buffer on a side stream, ordered after the subtraction by
-  ``wait_stream``; the link thread (``runtime/link.py``) waits for the copy's event before it
-  quantises and sends, so the training thread never waits for the host;
+  stream: one subtraction kernel per parameter) and hands it to the link thread
+  (:meth:`DeviceStaging.hand_off`: an event on the training stream); the link thread
+  (``runtime/link.py``) makes the side stream wait for that event and there adds the
+  error-feedback residual (kept on the device), quantises (``core.quantize.encode_tensor``, the
+  same bits as on the host) and copies only the encoded bytes to the host (``none``: the fp32
+  values, into a pinned buffer), so the training thread never waits for the host and a
+  quantised pseudo-gradient crosses PCIe in 1/4 to 1/8 of its fp32 bytes;
 * when a reply arrives, the link thread copies the new global value to the device on the
   side stream and waits for it there (:meth:`DeviceStaging.to_device`); the merge at
   ``send + tau`` is then device-to-device work on the training stream.
 
-Quantisation stays on the host, in the link thread (off the training thread; on the device it
-would only shrink the device-to-host copy, which already overlaps). On a CPU device there is
-nothing to stage: the host globals are the device's, ``on_device`` is False and every method
-copies at once. ``mirror=True`` keeps separate "device" copies on the CPU anyway, so the
-bookkeeping of the device path (which copy is read where) runs and is tested without a GPU.
+On a CPU device there is nothing to stage: the host globals are the device's, ``on_device`` is
+False and every method copies at once. ``mirror=True`` keeps separate "device" copies on the CPU
+anyway, so the bookkeeping of the device path (which copy is read where, the link's encoding of a
+device tensor) runs and is tested without a GPU.
 
 Memory safety: a tensor made on one stream and used on another is marked with
 ``Tensor.record_stream`` so the caching allocator does not reuse it before that stream's
@@ -29,8 +31,9 @@ the copy's event.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -72,24 +75,23 @@ class DeviceStaging:
         resume, a fallback); the caller's later work on that stream sees it."""
         return host.to(self.device, torch.float32, copy=True)
 
-    def to_host(self, src: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-        """Start copying ``src`` (fp32 ``[n]`` on the device, computed on the current stream) into
-        ``out`` (fp32 ``[n]`` host memory, pinned on CUDA); returns ``wait``, which blocks its caller
-        until ``out`` holds the values (the link thread calls it before reading ``out``). The copy
-        runs on the side stream after the work already queued on the current stream; ``src`` is
-        not reused by the allocator before it is done. Without CUDA it copies now."""
+    def hand_off(self, src: torch.Tensor) -> Callable[[], None]:
+        """Hand ``src`` (on the device, computed on the calling thread's current stream: the
+        training stream) to the link thread; returns ``ready``, which the link thread calls before
+        its work on ``src`` (under :meth:`side`): the side stream then waits for ``src``'s kernels,
+        and the host waits for nothing. ``src`` is not reused by the allocator before the side
+        stream's work on it is done. Without CUDA there is nothing to wait for."""
         if not self.cuda:
-            if out.data_ptr() != src.data_ptr():
-                out.copy_(src)
             return _done
-        main = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(main)
-        with torch.cuda.stream(self._stream):
-            out.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
         src.record_stream(self._stream)
-        return event.synchronize
+        return lambda: self._stream.wait_event(event)
+
+    def side(self) -> Any:
+        """The side stream as the current stream, for the link thread's device work (a context
+        manager; a no-op without CUDA). A copy to the host made under it waits for that work."""
+        return torch.cuda.stream(self._stream) if self.cuda else nullcontext()
 
     def to_device(self, host: torch.Tensor) -> Staged | None:
         """Copy a new global value ``host`` (fp32 ``[n]``) to a new device tensor on the side

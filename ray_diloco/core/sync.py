@@ -45,9 +45,10 @@ class Transport(Protocol):
     ``exchange`` starts one sync in the background and returns a ``Future[SyncResult]``:
     ``delta`` (fp32 ``[numel_p]``, owned by the transport from then on; it may hand it back to
     ``FragmentSync.buffers`` once sent, and then must not touch it) is given on rank 0 and
-    None on other ranks; ``ready`` (when given) blocks until ``delta`` holds its values (a copy
-    from a GPU still running, ``core.staging``): call it before reading ``delta``; ``old_global`` (the global value at ``version``) does not change until
-    the future is done; the result's ``new_global`` is ``old_global`` itself (nothing changed)
+    None on other ranks; with device globals (``core.staging``) it is on the training device
+    and ``ready`` is given: call it before the work on ``delta``, which then runs on the
+    staging's side stream (``DeviceStaging.side``); ``old_global`` (the global value at
+    ``version``, host) does not change until the future is done; the result's ``new_global`` is ``old_global`` itself (nothing changed)
     or a tensor with storage of its own; ``average_only``: a closing round. With error
     feedback the transport keeps a residual per fragment, which ``residual_state`` /
     ``load_residual_state`` checkpoint (fp32 ``[numel_p]`` arrays by fragment; empty without
@@ -303,14 +304,13 @@ class FragmentSync:
         frag, g = self.fragments[f], self.global_flat[f]
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
         # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
-        # globals computed on the device and copied into the buffer off the training stream
+        # globals computed on the device and handed to the transport there (core.staging)
         delta, ready = None, None
-        if self.rank == 0:
-            delta = self.buffers.take(frag.numel)
-            if self.staging is None:
-                pseudo_gradient(g, self.params, frag, out=delta)
-            else:
-                ready = self.staging.to_host(pseudo_gradient(self.global_dev[f], self.params, frag), delta)
+        if self.rank == 0 and self.staging is None:
+            delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel))
+        elif self.rank == 0:
+            delta = pseudo_gradient(self.global_dev[f], self.params, frag)
+            ready = self.staging.hand_off(delta)
         weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
         prev, self.last_send[f] = self.last_send[f], t
         fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,10 +89,11 @@ class Link:
         units: exchange units per fragment (``diloco.sharding: fsdp``: W, every rank sends its
             own rows of fragment f as unit ``f * W + rank``, ``core.shards.exchange_index``; 1:
             rank 0 sends the fragment).
-        staging: the worker's ``core.staging.DeviceStaging`` when it keeps device globals: the
-            link thread waits for a pseudo-gradient's copy from the GPU before reading it, and
-            copies each new global value to the GPU (off the training stream) before the
-            training thread merges it.
+        staging: the worker's ``core.staging.DeviceStaging`` when it keeps device globals: a
+            pseudo-gradient arrives on the device; this thread encodes it there, on the side
+            stream after the training stream's kernels (error-feedback residuals stay on the
+            device), copies only the message bytes to the host, and copies each new global value
+            to the device before the training thread merges it.
     """
 
     driver: Any
@@ -143,19 +145,20 @@ class Link:
 
         t0 = time.perf_counter()
         up = 0
-        if ready is not None:
-            ready()
         unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
         if self.rank == 0 or self.units > 1:
             before = self.residuals.get(fragment)
-            parts = self._encode(fragment, delta, before)
+            if ready is not None:
+                ready()
+            with self.staging.side() if self.staging is not None else nullcontext():
+                parts, host = self._encode(fragment, delta, before)
             up = 0 if parts is None else sum(message_size(m) for m in parts)
             self._sleep(up)
             refs = None if parts is None else [ray.put(m) for m in parts]  # once; the owners read them in place
             del parts  # the bytes are in the object store: the buffer is free for the next sync
             if self.buffers is not None:
-                self.buffers.give(delta)
-            del delta
+                self.buffers.give(host)
+            del delta, host
             call = self.driver.exchange.remote(unit, step, self.replica, weight, refs, version, average_only)
             del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
@@ -177,19 +180,29 @@ class Link:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version, staged)
 
-    def _encode(self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None) -> list[np.ndarray] | None:
+    def _encode(self, fragment: int, delta: torch.Tensor,
+                before: torch.Tensor | None) -> tuple[list[np.ndarray] | None, torch.Tensor | None]:
         """The uplink messages, one numpy buffer per outer-optimiser shard (None: non-finite,
-        abstain): with ``none`` slices of the fp32 pseudo-gradient itself (no copy, no framing);
-        otherwise the framed quantised bytes of each slice, with error feedback (slices start at
-        multiples of ``quantize.BLOCK``: the same blocks, bits and residual as the whole)."""
+        abstain), and the host buffer they live in (to give back to :attr:`buffers` once sent):
+        with ``none`` slices of the fp32 pseudo-gradient itself (no framing; a device one is
+        copied into a host buffer first); otherwise the framed quantised bytes of each slice,
+        encoded on ``delta``'s device, with error feedback (slices start at multiples of
+        ``quantize.BLOCK``: the same blocks, bits and residual as the whole)."""
+        if before is not None and before.device != delta.device:  # a residual restored from a checkpoint
+            before = before.to(delta.device)
         if not all_finite(delta):
-            return None
+            return None, delta
         bounds = shard_bounds(delta.numel(), self.shards)
         if self.fmt == "none":
             if self.error_feedback:  # fp32 loses nothing: the residual is spent
                 self.residuals.pop(fragment, None)
-            values = (delta if before is None else delta + before).numpy()
-            return [values[sl] for sl in bounds]
+            value = delta if before is None else delta + before
+            held = delta  # the buffer given back once sent (the values may be a new sum)
+            if self.staging is not None:  # on the device: into a (pinned) host buffer
+                held = self.buffers.take(value.numel()) if self.buffers is not None else torch.empty(value.numel())
+                value = held.copy_(value)
+            values = value.numpy()
+            return [values[sl] for sl in bounds], held
         if len(bounds) == 1:
             message, residual = quantize_with_feedback(delta, self.fmt, before)
             messages = [message]
@@ -201,12 +214,12 @@ class Link:
                 residual[sl] = res
         if self.error_feedback:
             self.residuals[fragment] = residual
-        return [np.frombuffer(m, np.uint8) for m in messages]
+        return [np.frombuffer(m, np.uint8) for m in messages], delta
 
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty
         without error feedback). Call when no exchange is in flight."""
-        return {f: r.numpy().copy() for f, r in self.residuals.items()}
+        return {f: r.detach().to("cpu", copy=True).numpy() for f, r in self.residuals.items()}
 
     def load_residual_state(self, residuals: dict[int, Any]) -> None:
         """Replace the error-feedback residuals with copies of fp32 arrays by fragment."""
