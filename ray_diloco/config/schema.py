@@ -254,9 +254,10 @@ class StreamingConfig:
     """Add each round's quantisation residual to the next round's value (replicas and driver)."""
     device_globals: bool = True
     """On a GPU: keep a device copy of the global parameters (+4 bytes per parameter of GPU memory, 1/W of
-    it per rank with FSDP) so pseudo-gradients and merges are computed on the GPU and copied to and from
-    pinned host memory on a side stream, off the training stream; false: read through host copies on the
-    training thread (saves the memory, stalls training for each copy). No effect on CPU."""
+    it per rank with FSDP) so pseudo-gradients are computed, quantised (error-feedback residuals kept there)
+    and merged on the GPU, on a side stream off the training stream, only message bytes crossing to the
+    host; false: read through host copies on the training thread and quantise on the host (saves the
+    memory, stalls training for each copy). No effect on CPU."""
     closing_round: ClosingRound = "average"
     """At the last step, fragments off their phase sync once more: ``average`` (global = the replicas'
     weighted mean), ``outer`` (an ordinary outer step) or ``none`` (no closing round)."""
