@@ -84,6 +84,19 @@ def _put_file(fs: Any, local: Path, remote: str) -> None:
             dst.write(chunk)
 
 
+def upload_file(local: Path, uri: str) -> str | None:
+    """Copy the file ``local`` to ``uri`` (a file's URI, :func:`join_uri` of a storage path) from
+    this process, in 8 MiB chunks; None when done, else the one-line reason it could not be (no
+    client library or credentials on this node, the network): the caller leaves the file to the
+    job's :class:`Mirror`."""
+    try:
+        fs, path = filesystem(uri)
+        _put_file(fs, Path(local), path)
+        return None
+    except Exception as e:  # noqa: BLE001 - any client error: the mirror uploads the file instead
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
 def _put(fs: Any, local: Path, remote: str) -> None:
     if local.is_dir():
         for p in sorted(local.rglob("*")):
@@ -114,6 +127,31 @@ class Mirror:
         self.uri = join_uri(storage_path, self.run_dir.name)
         self.fs, self.path = filesystem(self.uri)
         self._uploaded: set[str] = set()
+        self._by_writers: dict[str, set[str]] = {}  # checkpoint name -> files its writers uploaded
+
+    def checkpoint_uri(self, name: str) -> str | None:
+        """The storage URI of checkpoint ``name`` (``step_NNNNNN``), where its writers upload their
+        files; a stored ``state.pt`` of that name (a checkpoint written again) is deleted first,
+        so the stored checkpoint is not complete until :meth:`sync` uploads the new one. None for a
+        storage only this process sees (``memory://``): :meth:`sync` uploads every file."""
+        import pyarrow.fs as pafs
+
+        from ray_diloco.components.checkpoint import STATE_FILE
+
+        remote = f"{self.path}/checkpoints/{name}/{STATE_FILE}"
+        try:
+            if self.fs.get_file_info(remote).type == pafs.FileType.File:
+                self.fs.delete_file(remote)
+        except Exception:  # noqa: BLE001 - unreachable storage: sync reports it
+            pass
+        self._uploaded.discard(name)
+        if self.uri.split("://", 1)[0] == "memory":
+            return None
+        return join_uri(self.uri, f"checkpoints/{name}")
+
+    def uploaded_by_writers(self, name: str, files: set[str]) -> None:
+        """Files of checkpoint ``name`` its writers uploaded themselves: :meth:`sync` skips them."""
+        self._by_writers[name] = set(files)
 
     def sync(self, final: bool = False) -> bool:
         """Upload new checkpoints and the run files (and, when ``final``, the summary and the
@@ -129,7 +167,8 @@ class Mirror:
                     remote = f"{self.path}/checkpoints/{name}"
                     if self.fs.get_file_info(f"{remote}/{STATE_FILE}").type == pafs.FileType.File:
                         self.fs.delete_file(f"{remote}/{STATE_FILE}")  # re-uploaded: not complete until the end
-                    for f in sorted((f for f in p.iterdir() if not f.name.startswith(".")),
+                    done = self._by_writers.pop(name, set())
+                    for f in sorted((f for f in p.iterdir() if not f.name.startswith(".") and f.name not in done),
                                     key=lambda f: f.name == STATE_FILE):
                         _put(self.fs, f, f"{remote}/{f.name}")
                     self._uploaded.add(name)

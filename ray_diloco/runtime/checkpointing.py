@@ -13,6 +13,7 @@ from typing import Any
 
 from ray_diloco.components.checkpoint import (OUTER_FILE, begin_checkpoint, finish_checkpoint, place_marker,
                                               read_state_file, visible_file, worker_file)
+from ray_diloco.components.storage import join_uri
 from ray_diloco.errors import CheckpointError
 
 
@@ -46,20 +47,31 @@ def write_checkpoint(t: Any) -> Path:
     t.settle()
     fsdp = t.cfg.exchange_units > 1  # every rank holds its own rows
     st = t.state
+    name = f"step_{st.outer_step:06d}"
+    # run.storage_path: each writer uploads its own file there too (in parallel, from its node)
+    remote = t.mirror.checkpoint_uri(name) if t.mirror is not None else None
     tmp = begin_checkpoint(t.run_dir, st.outer_step)  # absolute: the writers' directories differ
     try:
         token = place_marker(tmp)  # a writer that does not read it there does not share the run directory
         written = t.supervisor.on_live(
-            "save_state", lambda r, rank, i, n: (str(tmp / worker_file(r.index, rank)), rank == 0 or fsdp, token))
+            "save_state", lambda r, rank, i, n: (str(tmp / worker_file(r.index, rank)), rank == 0 or fsdp, token,
+                                                 remote and join_uri(remote, worker_file(r.index, rank))))
         failed = [info["error"] for info in written.values() if "error" in info]
         if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
-            raise CheckpointError(f"checkpoint {tmp.parent / f'step_{st.outer_step:06d}'}: {failed[0]}")
+            raise CheckpointError(f"checkpoint {tmp.parent / name}: {failed[0]}")
         workers = {key: _visible(t, tmp, info, key) for key, info in written.items()}
-        outer = t.sync.save_state(tmp / OUTER_FILE, token)
-        outer = _visible(t, tmp, outer, None) if outer is not None else None
+        saved = t.sync.save_state(tmp / OUTER_FILE, token, remote and join_uri(remote, OUTER_FILE))
+        outer = _visible(t, tmp, saved, None) if saved is not None else None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if t.mirror is not None:
+        infos = [*written.values(), saved or {}]
+        t.mirror.uploaded_by_writers(name, {i["file"] for i in infos if i.get("uploaded")})
+        problems = [i["upload_error"] for i in infos if "upload_error" in i]
+        if problems:
+            t.log(f"note: {len(problems)} checkpoint writer(s) could not upload to {t.mirror.uri} "
+                  f"({problems[0]}): this process uploads their files")
     state = {
         "format": 2,
         "outer_step": st.outer_step,

@@ -450,11 +450,13 @@ class _DriverReads:
                     "stats": copy.deepcopy(self.stats)})
         return out
 
-    async def save_state(self, path: str, token: str | None = None) -> dict[str, Any]:
+    async def save_state(self, path: str, token: str | None = None, upload: str | None = None) -> dict[str, Any]:
         """Write :meth:`state_dict` with ``checkpoint_id`` ``token`` to ``path`` (a checkpoint's
-        ``outer.pt``) from this process, on a thread (pings are answered meanwhile). Returns
-        ``{"file", "bytes", "node"}``, or ``{"unseen": True, "node"}`` when this node does not see
-        the directory (no ``token`` marker there: the job then fetches :meth:`state_dict`).
+        ``outer.pt``) from this process, on a thread (pings are answered meanwhile), and with
+        ``upload`` (its URI in ``run.storage_path``) copy it there too. Returns ``{"file", "bytes",
+        "node"}`` (+ ``"uploaded"`` or ``"upload_error"``, as ``ReplicaWorker.save_state``), or
+        ``{"unseen": True, "node"}`` when this node does not see the directory (no ``token``
+        marker there: the job then fetches :meth:`state_dict`).
 
         Raises:
             CheckpointError: the file cannot be written."""
@@ -465,9 +467,15 @@ class _DriverReads:
         node = ray.get_runtime_context().get_node_id()
         if token is not None and not sees_marker(Path(path).parent, token):
             return {"unseen": True, "node": node}
+        from ray_diloco.components.storage import upload_file
+
         state = {**(await self.state_dict()), "checkpoint_id": token}
         size = await asyncio.to_thread(write_state_file, Path(path), state)
-        return {"file": Path(path).name, "bytes": size, "node": node}
+        info = {"file": Path(path).name, "bytes": size, "node": node}
+        if upload:
+            problem = await asyncio.to_thread(upload_file, Path(path), upload)
+            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
+        return info
 
     async def export_weights(self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype,
                              token: str) -> dict[str, int] | None:

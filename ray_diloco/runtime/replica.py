@@ -274,14 +274,18 @@ class WorkerState:
         self.sync.load_state_dict(state)
 
 
-    def save_state(self, path: str, full: bool = True, token: str | None = None) -> dict[str, Any]:
+    def save_state(self, path: str, full: bool = True, token: str | None = None,
+                   upload: str | None = None) -> dict[str, Any]:
         """Write :meth:`state_dict` (``full`` as there) with ``checkpoint_id`` ``token`` to ``path``,
         a file of a checkpoint's temporary directory, from this process: the state never travels to
-        the job's process. Returns ``{"file", "bytes", "node"}``; ``{"unseen": True, "node"}`` when
-        this node does not see that directory (no ``token`` marker there: the job then fetches
-        :meth:`state_dict`); ``{"error": line}`` when the file cannot be written (disk full: the
-        job fails the checkpoint, not this replica)."""
+        the job's process; with ``upload`` (the file's URI in ``run.storage_path``) also copy it
+        there from here (``components.storage.upload_file``). Returns ``{"file", "bytes", "node"}``
+        (+ ``"uploaded"``, or ``"upload_error"``: the job's mirror uploads it); ``{"unseen": True,
+        "node"}`` when this node does not see that directory (no ``token`` marker there: the job
+        then fetches :meth:`state_dict`); ``{"error": line}`` when the file cannot be written (disk
+        full: the job fails the checkpoint, not this replica)."""
         from ray_diloco.components.checkpoint import sees_marker, write_state_file
+        from ray_diloco.components.storage import upload_file
         from ray_diloco.errors import CheckpointError
 
         node = ray.get_runtime_context().get_node_id()
@@ -291,7 +295,11 @@ class WorkerState:
             size = write_state_file(Path(path), {**self.state_dict(full, copy_tensors=False), "checkpoint_id": token})
         except CheckpointError as e:
             return {"error": str(e)}
-        return {"file": Path(path).name, "bytes": size, "node": node}
+        info = {"file": Path(path).name, "bytes": size, "node": node}
+        if upload:
+            problem = upload_file(Path(path), upload)
+            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
+        return info
 
     def restore_state(self, own: dict[str, Any], full: dict[str, Any] | None = None,
                       checkpoint_id: str | None = None) -> bool:

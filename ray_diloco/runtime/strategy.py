@@ -119,9 +119,10 @@ class SyncStrategy:
         """The sync side's state for a checkpoint (``"outer"``)."""
         return None
 
-    def save_state(self, path: Path, token: str | None = None) -> dict[str, Any] | None:
+    def save_state(self, path: Path, token: str | None = None, upload: str | None = None) -> dict[str, Any] | None:
         """Write :meth:`state_dict` to ``path`` from the process that holds it (``token``: the
-        checkpoint's marker and id, ``components.checkpoint.place_marker``); returns ``{"file",
+        checkpoint's marker and id, ``components.checkpoint.place_marker``; ``upload``: the file's
+        URI in ``run.storage_path``, copied there by that process too); returns ``{"file",
         "bytes", "node"}`` or ``{"unseen": True, "node"}``, or None when there is no sync-side state."""
         return None
 
@@ -268,10 +269,10 @@ class DiLoCoSync(SyncStrategy):
 
         return ray.get(self.driver.state_dict.remote())
 
-    def save_state(self, path: Path, token: str | None = None) -> dict[str, Any]:
+    def save_state(self, path: Path, token: str | None = None, upload: str | None = None) -> dict[str, Any]:
         import ray
 
-        return ray.get(self.driver.save_state.remote(str(path), token))
+        return ray.get(self.driver.save_state.remote(str(path), token, upload))
 
     def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
         import ray

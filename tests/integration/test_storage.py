@@ -172,3 +172,45 @@ def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monk
     assert [(a.type, a.name) for a in arts] == [("model", "model-" + tmp_path.name)]
     assert json.loads(arts[0].metadata)["final_eval_loss"] == 1.25
     assert [f.path for f in arts[0].manifest.contents] == ["config.json"]
+
+
+def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, tmp_path, corpus):
+    """With run.storage_path, each worker and the driver upload the file they wrote straight to the
+    storage (file:// here: every process sees it); the job's mirror then uploads only state.pt,
+    last, which completes the stored checkpoint. A writer that cannot upload (a storage URI no
+    writer reaches) leaves its file to the mirror, with one note."""
+    from conftest import start_trainer, torch_lm
+
+    from ray_diloco.components.storage import Mirror
+
+    store = f"file://{tmp_path / 'store'}"
+    cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="up", diloco__cpus_per_worker=0.5))
+    t = start_trainer(cfg, corpus, torch_lm)
+    try:
+        t.mirror = Mirror(t.run_dir, store)
+        t.outer_step(1)
+        t.checkpoint()
+        remote = tmp_path / "store" / "up" / "checkpoints" / "step_000001"
+        assert sorted(p.name for p in remote.iterdir()) == ["outer.pt", "worker-0-0.pt", "worker-1-0.pt"]
+        local = t.run_dir / "checkpoints" / "step_000001"
+        assert all((remote / n).read_bytes() == (local / n).read_bytes() for n in ("outer.pt", "worker-1-0.pt"))
+        before = {p.name: p.stat().st_mtime_ns for p in remote.iterdir()}
+        assert t.mirror.sync()
+        after = {p.name: p.stat().st_mtime_ns for p in remote.iterdir()}
+        assert sorted(after) == ["outer.pt", "state.pt", "worker-0-0.pt", "worker-1-0.pt"]
+        assert all(after[n] == before[n] for n in before)  # the mirror did not upload them again
+        # a storage the writers cannot reach (a file:// path under a regular file): the mirror uploads
+        blocked = tmp_path / "blocked"
+        blocked.write_text("a file, not a directory")
+        t.mirror = Mirror(t.run_dir, f"file://{tmp_path / 'store2'}")
+        t.mirror.checkpoint_uri = lambda name: f"file://{blocked}/{name}"  # where the writers are sent
+        logged = []
+        t.log = logged.append
+        t.outer_step(2)
+        t.checkpoint()
+        assert any("could not upload" in line for line in logged), logged
+        assert t.mirror.sync()
+        stored = tmp_path / "store2" / "up" / "checkpoints" / "step_000002"
+        assert sorted(p.name for p in stored.iterdir()) == ["outer.pt", "state.pt", "worker-0-0.pt", "worker-1-0.pt"]
+    finally:
+        t.shutdown()
