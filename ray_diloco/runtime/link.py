@@ -118,8 +118,9 @@ class Link:
                  old_global: torch.Tensor, version: int = 0, average_only: bool = False,
                  ready: Any = None) -> Future:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
-        ``Future[SyncResult]``. ``ready``: called on the link thread before ``delta`` is read (its
-        copy from the GPU is still running, ``core.staging``).
+        ``Future[SyncResult]``. ``ready``: with device globals (``core.staging``), called on the
+        link thread before its work on ``delta`` (a device tensor the training stream may still be
+        computing): that work then waits for it on the side stream.
 
         ``delta`` (fp32 ``[numel_p]``, owned by the link from now on, then handed back to
         :attr:`buffers`) is required on rank 0 and
