@@ -122,8 +122,9 @@ class Mirror:
     directory stays complete, and the next call uploads what is missing.
     """
 
-    def __init__(self, run_dir: Path, storage_path: str):
+    def __init__(self, run_dir: Path, storage_path: str, keep: int | None = None):
         self.run_dir = Path(run_dir)
+        self.keep = keep  # run.keep_checkpoints: the storage keeps the newest this many (None: those kept locally)
         self.uri = join_uri(storage_path, self.run_dir.name)
         self.fs, self.path = filesystem(self.uri)
         self._uploaded: set[str] = set()
@@ -172,8 +173,12 @@ class Mirror:
                                     key=lambda f: f.name == STATE_FILE):
                         _put(self.fs, f, f"{remote}/{f.name}")
                     self._uploaded.add(name)
-            for info in _listing(self.fs, f"{self.path}/checkpoints"):
-                if info.base_name not in local and info.base_name.startswith("step_"):
+            stored = [i for i in _listing(self.fs, f"{self.path}/checkpoints") if i.base_name.startswith("step_")]
+            # with keep: the newest `keep` of stored and local (a resume elsewhere fetched only the
+            # newest: the older stored ones stay); without: what the run directory still holds
+            kept = set(sorted(set(local) | {i.base_name for i in stored})[-self.keep:]) if self.keep else set(local)
+            for info in stored:
+                if info.base_name not in kept:
                     self.fs.delete_dir(info.path)
                     self._uploaded.discard(info.base_name)
             for name in RUN_FILES + (FINAL_FILES if final else ()):

@@ -319,7 +319,7 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
         if is_uri(run.run.storage_path):
-            trainer.mirror = Mirror(run_dir, run.run.storage_path)
+            trainer.mirror = Mirror(run_dir, run.run.storage_path, run.run.keep_checkpoints)
             print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
                   file=sys.stderr)
     except BaseException:  # the caller only closes a lock it was given

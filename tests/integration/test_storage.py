@@ -98,7 +98,8 @@ def test_a_run_is_mirrored_to_s3_and_resumes_from_it_elsewhere(ray_session, tmp_
 
 def test_file_uri_mirror_prunes_and_downloads_the_newest_checkpoint(tmp_path):
     """pyarrow's local filesystem (file://): checkpoints are uploaded oldest first, ones pruned
-    locally are deleted from the storage, and a download fetches only the newest."""
+    locally are deleted from the storage, a download fetches only the newest, and a mirror with
+    keep (a resumed run elsewhere) keeps the newest stored ones."""
     from ray_diloco.components.storage import Mirror
 
     run = tmp_path / "local" / "r1"
@@ -121,6 +122,16 @@ def test_file_uri_mirror_prunes_and_downloads_the_newest_checkpoint(tmp_path):
     assert [p.name for p in (got / "checkpoints").iterdir()] == ["step_000003"]
     assert (got / "checkpoints" / "step_000003" / "state.pt").read_bytes() == b"\3" * 1000
     assert (got / "tokenizer" / "tokenizer.json").read_text() == "{}"
+    # a resume elsewhere holds only the newest: with keep (run.keep_checkpoints) the storage keeps
+    # the newest 3 of stored and local (step 2 too, which this machine never had), then prunes
+    (got / "checkpoints" / "step_000004").mkdir()
+    (got / "checkpoints" / "step_000004" / "state.pt").write_bytes(b"\4" * 10)
+    again = Mirror(got, f"file://{tmp_path / 'store'}", keep=3)
+    assert again.sync()
+    assert sorted(p.name for p in (store / "checkpoints").iterdir()) == ["step_000002", "step_000003", "step_000004"]
+    shutil.copytree(got / "checkpoints" / "step_000004", got / "checkpoints" / "step_000005")
+    assert again.sync()
+    assert sorted(p.name for p in (store / "checkpoints").iterdir()) == ["step_000003", "step_000004", "step_000005"]
     shutil.rmtree(store / "checkpoints")  # the storage refuses the upload: a warning, not a crash
     (store / "checkpoints").write_text("a file where a folder should be")
     (run / "checkpoints" / "step_000004").mkdir()
