@@ -7,6 +7,7 @@ evaluation on a Ray cluster's devices is ``runtime/evaluation.py`` (it reads thr
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,10 +117,12 @@ def eval_input(run_dir: str | Path, step: int | None = None, corpus=None) -> Eva
     cfg = checkpoint_config(state)
     if corpus is None:
         corpus = load_corpus(cfg.data, tokenizer=_tokenizer(run_dir))
+    # the run recorded the fingerprint of its corpus with the validation split cut as here
+    corpus = dataclasses.replace(corpus, val=eval_split(corpus.val, cfg.run.eval_tokens))
     if state.get("corpus_fingerprint") not in (None, corpus.fingerprint):
         raise CheckpointError(f"run {run_dir}: its corpus differs from {cfg.data.path or 'the bundled corpus'} "
                               "(trained on a corpus passed from Python? pass corpus=...)")
-    return EvalInput(state, cfg, np.asarray(eval_split(corpus.val, cfg.run.eval_tokens)), corpus.vocab_size, step, path)
+    return EvalInput(state, cfg, np.asarray(corpus.val), corpus.vocab_size, step, path)
 
 
 def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, corpus=None) -> tuple[float, int, Path]:

@@ -78,10 +78,20 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 
 def _put_file(fs: Any, local: Path, remote: str) -> None:
+    """Copy ``local`` to ``remote``, whole or not at all: on a file system that shows a file while
+    it is written (``file://``) under a temporary name, then renamed (a killed upload leaves no
+    half ``state.pt`` that a resume would take); object stores (S3, GCS) show an object only
+    once its upload completed."""
+    import pyarrow.fs as pafs
+
     fs.create_dir(posixpath.dirname(remote), recursive=True)
-    with open(local, "rb") as src, fs.open_output_stream(remote) as dst:
+    atomic = isinstance(fs, pafs.LocalFileSystem)
+    target = f"{posixpath.dirname(remote)}/.{posixpath.basename(remote)}.part" if atomic else remote
+    with open(local, "rb") as src, fs.open_output_stream(target) as dst:
         while chunk := src.read(8 << 20):
             dst.write(chunk)
+    if atomic:
+        fs.move(target, remote)
 
 
 def upload_file(local: Path, uri: str) -> str | None:
@@ -229,7 +239,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
             tmp = local / "checkpoints" / f".tmp-{newest}"  # removed by remove_partial_checkpoints if killed
             tmp.mkdir(parents=True, exist_ok=True)
             for sub in _listing(fs, f"{path}/checkpoints/{newest}"):  # state.pt and the processes' files
-                if sub.type == pafs.FileType.File:
+                if sub.type == pafs.FileType.File and not sub.base_name.startswith("."):  # not a killed upload's part
                     _get_file(fs, sub.path, tmp / sub.base_name)
             tmp.rename(target)
     except CheckpointError:

@@ -231,8 +231,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tracker.finish(summary)  # first: summary.json marks a finished run, W&B included
         tracker = None
         write_summary(run_dir, summary)
-        if trainer.mirror is not None:
-            trainer.mirror.sync(final=True)
+        if trainer.mirror is not None and not trainer.mirror.sync(final=True):
+            print(f"warning: the copy of the run at {trainer.mirror.uri} is incomplete (the uploads above "
+                  f"failed); the run directory {run_dir} is complete", file=sys.stderr)
     except ray.exceptions.RayError as e:
         if isinstance(getattr(e, "cause", None), RayDilocoError):  # a worker's own one-line error
             raise e.cause from None
@@ -320,7 +321,7 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
             corpus.tokenizer.save_pretrained(str(tok_dir))
         if is_uri(run.run.storage_path):
             trainer.mirror = Mirror(run_dir, run.run.storage_path, run.run.keep_checkpoints)
-            print(f"mirrored to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
+            print(f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
                   file=sys.stderr)
     except BaseException:  # the caller only closes a lock it was given
         lock.close()

@@ -118,8 +118,11 @@ def test_file_uri_mirror_prunes_and_downloads_the_newest_checkpoint(tmp_path):
     (run / "checkpoints" / "step_000003" / "state.pt").write_bytes(b"\3" * 1000)
     assert m.sync(final=False)
     assert sorted(p.name for p in (store / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert not any(p.name.startswith(".") for p in (store / "checkpoints" / "step_000003").iterdir())
+    (store / "checkpoints" / "step_000003" / ".worker-0-0.pt.part").write_bytes(b"half")  # a killed upload's
     got = download_run(f"file://{store}", tmp_path / "elsewhere")
     assert [p.name for p in (got / "checkpoints").iterdir()] == ["step_000003"]
+    assert [p.name for p in (got / "checkpoints" / "step_000003").iterdir()] == ["state.pt"]
     assert (got / "checkpoints" / "step_000003" / "state.pt").read_bytes() == b"\3" * 1000
     assert (got / "tokenizer" / "tokenizer.json").read_text() == "{}"
     # a resume elsewhere holds only the newest: with keep (run.keep_checkpoints) the storage keeps

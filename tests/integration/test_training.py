@@ -143,6 +143,7 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
 
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2,
                                      run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text),
+                                     run__eval_tokens=4000,  # evaluations read a cut validation split
                                      diloco__outer_shards=2))  # the export reads each parameter from 2 shard actors
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "ddp"
@@ -150,24 +151,26 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5  # uniform prediction: ln(vocab)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["outer_step"] for r in rows] == [1, 2, 3, 4] and [("eval_loss" in r) for r in rows] == [0, 1, 0, 1]
+    val = corpus.val[:4001]  # what the run's evaluations read (its recorded fingerprint is of this cut)
+    assert len(corpus.val) > len(val)
     ckpt_loss, step, path = evaluate_run(run_dir)
     assert step == 4 and ckpt_loss == pytest.approx(summary["final_eval_loss"], abs=1e-5)
     # other batches than one process's (fp32 means per batch): equal to ~1e-7
     assert evaluate_run_on_cluster(run_dir, workers=3)[0] == pytest.approx(ckpt_loss, rel=1e-6)
     state = load_checkpoint(path, lazy=True)
-    total, count, parts = evaluate_on_cluster(state, load_config(state["config"], validate=False), corpus.val,
+    total, count, parts = evaluate_on_cluster(state, load_config(state["config"], validate=False), val,
                                               corpus.vocab_size)
-    assert total / count == pytest.approx(ckpt_loss, rel=1e-6) and count == val_windows(corpus.val, 16) * 16
+    assert total / count == pytest.approx(ckpt_loss, rel=1e-6) and count == val_windows(val, 16) * 16
     assert len(parts) == 2 and len({p["pid"] for p in parts}) == 2
     assert all(p["device"] == "cpu" and p["params"] == "file" for p in parts)
     # a checkpoint path the tasks cannot see (relative to this process's directory, not theirs)
     monkeypatch.chdir(path)
     state["outer"] = {**state["outer"], "file": "outer.pt"}
-    again = evaluate_on_cluster(state, load_config(state["config"], validate=False), corpus.val, corpus.vocab_size)
+    again = evaluate_on_cluster(state, load_config(state["config"], validate=False), val, corpus.vocab_size)
     assert again[0] == pytest.approx(total, rel=1e-12) and {p["params"] for p in again[2]} == {"object store"}
     model = AutoModelForCausalLM.from_pretrained(str(run_dir / "final"))
-    n = val_windows(corpus.val, 16)
-    total, count = evaluate_loss(model, corpus.val, 16, np.arange(n), 256)
+    n = val_windows(val, 16)
+    total, count = evaluate_loss(model, val, 16, np.arange(n), 256)
     assert total / count == pytest.approx(ckpt_loss, abs=1e-6)
     # both ranks of the replica held identical parameters: the DDP run is reproducible from rank 0
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "tokenizer.json").is_file()
