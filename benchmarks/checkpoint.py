@@ -252,17 +252,24 @@ def main() -> None:
                 res = measure(int(a.params), a.replicas, a.repeats, tmp)
     finally:
         ray.shutdown()
-    if a.export:
-        print(f"export of {res['export'][0]['params']:,} parameters in bf16 (U = 4 bytes x parameters)")
-        print(f"{'K':>2s} {'export':14s} {'seconds':>8s} {'writer extra U':>15s} {'shard actors extra U':>21s}")
-        for r in res["export"]:
-            for name in ("driver_reads", "fetch_whole"):
-                x = r[name]
-                print(f"{r['shards']:2d} {name:14s} {x['seconds']:8.2f} {x['writer_extra_u']:15.2f} "
-                      f"{x['shards_extra_u']:21.2f}")
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-        return
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    (print_export if a.export else print_checkpoint)(res)
+
+
+def print_export(res: dict) -> None:
+    """The export table of :func:`measure_export`'s rows."""
+    print(f"export of {res['export'][0]['params']:,} parameters in bf16 (U = 4 bytes x parameters)")
+    print(f"{'K':>2s} {'export':14s} {'seconds':>8s} {'writer extra U':>15s} {'shard actors extra U':>21s}")
+    for r in res["export"]:
+        for name in ("driver_reads", "fetch_whole"):
+            x = r[name]
+            print(f"{r['shards']:2d} {name:14s} {x['seconds']:8.2f} {x['writer_extra_u']:15.2f} "
+                  f"{x['shards_extra_u']:21.2f}")
+
+
+def print_checkpoint(res: dict) -> None:
+    """The checkpoint table of :func:`measure`'s result."""
     print(f"P = {res['params']:,} parameters, M = {res['replicas']}, U = {4 * res['params'] / 1e9:.2f} GB; "
           f"baseline torch.save of [P] fp32: {res['save_s']:.2f} s")
     print(f"{'checkpoint':12s} {'seconds':>8s} {'ratio':>6s} {'written U':>10s} {'job extra U':>12s} "
@@ -271,8 +278,6 @@ def main() -> None:
         r = res[name]
         print(f"{name:12s} {r['seconds']:8.2f} {r['ratio']:6.2f} {r['written_u']:10.2f} {r['job_extra_u']:12.2f} "
               f"{r['job_peak_u']:11.2f} {r['driver_extra_u']:15.2f} {r['workers_extra_u']:15.2f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -140,11 +140,27 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, co
     """
     e = eval_input(run_dir, step, corpus)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    model = model_from_checkpoint(e.state, e.vocab_size, model_fn, Path(run_dir)).to(device)
-    n = val_windows(e.val, e.cfg.data.seq_len)
-    total, count = evaluate_loss(model, e.val, e.cfg.data.seq_len, np.arange(n), e.cfg.run.eval_batch,
-                                 run_autocast(e.cfg.run.precision, device))
+    total, count = evaluate_checkpoint(e.state, e.vocab_size, e.val, np.arange(val_windows(e.val, e.cfg.data.seq_len)),
+                                       device, model_fn, Path(run_dir))
     return total / count, e.step, e.path
+
+
+def evaluate_checkpoint(state: dict, vocab_size: int, tokens: np.ndarray, windows: np.ndarray, device: torch.device,
+                        model_fn=None, run_dir: Path | None = None) -> tuple[float, int]:
+    """Summed loss (nats) and token count of a checkpoint's global parameters over validation
+    ``windows`` (int ``[k]`` of ``tokens``), the model built on ``device`` and evaluated as the run
+    evaluates (its ``seq_len``, ``eval_batch``, ``run.precision``); the model is freed after.
+
+    Raises:
+        CheckpointError: as :func:`model_from_checkpoint`."""
+    cfg = checkpoint_config(state)
+    model = model_from_checkpoint(state, vocab_size, model_fn, run_dir).to(device)
+    out = evaluate_loss(model, tokens, cfg.data.seq_len, windows, cfg.run.eval_batch,
+                        run_autocast(cfg.run.precision, device))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,

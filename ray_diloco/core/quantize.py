@@ -105,6 +105,12 @@ def encode_tensor(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     return nib[0::2] | (nib[1::2] << 4), s
 
 
+def _check_finite(t: torch.Tensor) -> None:
+    """Raise ``ValueError`` (how many values) when ``t`` holds a NaN or an infinity."""
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"cannot encode a pseudo-gradient with {int((~torch.isfinite(t)).sum())} non-finite values")
+
+
 def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
     """Encode a float vector (any shape, flattened; fp32 math) in ``fmt`` (on the host).
 
@@ -115,8 +121,7 @@ def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
         raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
     t = x.detach().cpu().float().reshape(-1) if isinstance(x, torch.Tensor) else \
         torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"cannot encode a pseudo-gradient with {int((~torch.isfinite(t)).sum())} non-finite values")
+    _check_finite(t)
     payload, scales = encode_tensor(t, fmt)
     return Packed(fmt, t.numel(), payload.numpy(), scales.numpy())
 
@@ -227,8 +232,7 @@ def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = 
         ValueError: non-finite values in ``x`` (or the residual).
     """
     value = (x if residual is None else x + residual).reshape(-1).float()
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"cannot encode a pseudo-gradient with {int((~torch.isfinite(value)).sum())} non-finite values")
+    _check_finite(value)
     payload, scales = encode_tensor(value, fmt)
     sent = decode_tensor(payload, scales, value.numel(), fmt)
     return to_message(Packed(fmt, value.numel(), payload.cpu().numpy(), scales.cpu().numpy())), sent

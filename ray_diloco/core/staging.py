@@ -32,7 +32,6 @@ the copy's event.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,15 +39,6 @@ import torch
 
 def _done() -> None:
     """A copy that has already finished."""
-
-
-@dataclass
-class Staged:
-    """A global fragment copied to the device by the link thread: ``tensor`` (fp32 ``[numel_p]``
-    on the device; the copy has finished) and the stream it was made on (None on CPU)."""
-
-    tensor: torch.Tensor
-    stream: object | None = None
 
 
 class DeviceStaging:
@@ -93,27 +83,28 @@ class DeviceStaging:
         manager; a no-op without CUDA). A copy to the host made under it waits for that work."""
         return torch.cuda.stream(self._stream) if self.cuda else nullcontext()
 
-    def to_device(self, host: torch.Tensor) -> Staged | None:
-        """Copy a new global value ``host`` (fp32 ``[n]``) to a new device tensor on the side
-        stream and wait for it (called by the link thread, so the training thread does not
-        wait); None when there is no device copy to keep (CPU without ``mirror``)."""
+    def to_device(self, host: torch.Tensor) -> torch.Tensor | None:
+        """A new device tensor (fp32 ``[n]``, the copy finished) of a new global value ``host``,
+        copied on the side stream and waited for (called by the link thread, so the training
+        thread does not wait); None when there is no device copy to keep (CPU without ``mirror``).
+        Hand it to the training thread through :meth:`adopt`."""
         if not self.on_device:
             return None
         if not self.cuda:
-            return Staged(host.to(self.device, torch.float32, copy=True))
+            return self.put(host)
         with torch.cuda.stream(self._stream):
             dev = torch.empty(host.shape, dtype=torch.float32, device=self.device)
             dev.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         event.synchronize()  # also: ``host`` may be reused from here on
-        return Staged(dev, self._stream)
+        return dev
 
-    def adopt(self, staged: Staged) -> torch.Tensor:
-        """``staged``'s tensor, for use on the calling thread's current stream (its memory is not
-        reused before that stream's work on it is done)."""
-        if self.cuda and staged.stream is not None:
+    def adopt(self, staged: torch.Tensor) -> torch.Tensor:
+        """``staged`` (from :meth:`to_device`, made on the side stream), for use on the calling
+        thread's current stream (its memory is not reused before that stream's work on it is done)."""
+        if self.cuda:
             main = torch.cuda.current_stream(self.device)
-            if main != staged.stream:
-                staged.tensor.record_stream(main)
-        return staged.tensor
+            if main != self._stream:
+                staged.record_stream(main)
+        return staged

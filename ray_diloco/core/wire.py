@@ -298,7 +298,7 @@ class SyncResult:
     bytes_down: int  # the driver's reply
     status: str = "ok"  # Reply.status: ok, dropped, rejected or failed
     version: int = 0  # the fragment's global version new_global is
-    staged: Any = None  # core.staging.Staged: new_global already copied to the training device (or None)
+    staged: Any = None  # new_global already copied to the training device (core.staging.DeviceStaging.to_device), or None
 
 
 DP_FORMULA = ("ring all-reduce: each of R ranks sends and receives 2 N (R-1)/R values per step in each "

@@ -25,10 +25,9 @@ def _part(state: dict[str, Any], params: Any, vocab_size: int, tokens: np.ndarra
     """One task: the summed loss of ``windows`` (int ``[k]``) under the checkpoint's global
     parameters (from ``params``, an object-store list, when given; else read from ``outer.pt``)."""
     import ray
-    import torch
 
-    from ray_diloco.components.checkpoint import checkpoint_config, read_own_state
-    from ray_diloco.components.evaluate import evaluate_loss, model_from_checkpoint, run_autocast
+    from ray_diloco.components.checkpoint import read_own_state
+    from ray_diloco.components.evaluate import evaluate_checkpoint
     from ray_diloco.runtime.replica import worker_device
 
     device, problem = worker_device(gpus)
@@ -42,13 +41,7 @@ def _part(state: dict[str, Any], params: Any, vocab_size: int, tokens: np.ndarra
         if own is None:
             return {"unseen": True}
         state = {**state, "outer": own}
-    cfg = checkpoint_config(state)
-    model = model_from_checkpoint(state, vocab_size, model_fn).to(device)
-    total, count = evaluate_loss(model, tokens, cfg.data.seq_len, windows, cfg.run.eval_batch,
-                                 run_autocast(cfg.run.precision, device))
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    total, count = evaluate_checkpoint(state, vocab_size, tokens, windows, device, model_fn)
     return {"total": total, "count": count, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
             "device": str(device), "windows": len(windows), "params": "file" if params is None else "object store"}
 

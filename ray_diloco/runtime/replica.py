@@ -34,7 +34,7 @@ import torch
 
 from ray_diloco.config import load_config
 from ray_diloco.components.data import ShardReader
-from ray_diloco.components.evaluate import evaluate_loss
+from ray_diloco.components.evaluate import evaluate_loss, run_autocast
 from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
                                        tensor_hash, unflatten_into)
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
@@ -354,6 +354,7 @@ class ReplicaWorker(WorkerState):
         if self.cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         self.model, self.device, self.problem = worker_model(self.cfg, vocab_size, model_fn)
+        self._autocast = run_autocast(self.cfg.run.precision, self.device)  # bf16: autocast on this device
         self.shape = resolve_model_shape(self.cfg.model, vocab_size)
         self.z_loss = float(self.shape["z_loss"])
         self.specs = param_specs(self.model)
@@ -497,11 +498,6 @@ class ReplicaWorker(WorkerState):
         return self.sync.trace
 
     # -- inner loop ------------------------------------------------------------------------
-    def _autocast(self):
-        if self.cfg.run.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
     def _inner_step(self, step: int, digest: Any) -> tuple[float, torch.Tensor]:
         """One AdamW step at global inner step ``step`` (gradients accumulated over micro-batches);
         returns its lr and the batch's mean cross-entropy (fp32 scalar on the device). The (epoch,

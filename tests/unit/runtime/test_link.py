@@ -45,7 +45,7 @@ def _rounds(ray, cfg, mirror: bool):
                 assert res.status == "ok" and res.version == k + 1
                 held[m][f] = res.new_global.clone()
                 received.append(res.new_global.clone())
-                staged.append(res.staged is not None and torch.equal(res.staged.tensor, res.new_global))
+                staged.append(res.staged is not None and torch.equal(res.staged, res.new_global))
     residuals = [link.residual_state() for link in links]
     for link in links:
         link.close()
