@@ -20,5 +20,14 @@ def train(*args, **kwargs):
     return _train(*args, **kwargs)
 
 
-__all__ = ["train", "Config", "load_config", "RayDilocoError", "ConfigError", "DataError",
-           "CheckpointError", "ClusterError", "__version__"]
+__all__ = [
+    "train",
+    "Config",
+    "load_config",
+    "RayDilocoError",
+    "ConfigError",
+    "DataError",
+    "CheckpointError",
+    "ClusterError",
+    "__version__",
+]

@@ -16,17 +16,34 @@ from ray_diloco.errors import RayDilocoError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", default=None,
-                   help="YAML file or preset name (ray_diloco/configs/NAME.yaml); default: the built-in defaults")
-    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted override, repeatable: --set inner.lr=3e-4 --set diloco.replicas=4")
+    p.add_argument(
+        "--config",
+        "-c",
+        default=None,
+        help="YAML file or preset name (ray_diloco/configs/NAME.yaml); default: the built-in defaults",
+    )
+    p.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, repeatable: --set inner.lr=3e-4 --set diloco.replicas=4",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ray-diloco", description="DiLoCo training of language models on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
-    for add in (_add_run_commands, _add_prepare_command, _add_plan_command, _add_law_commands, _add_simulate_command,
-                _add_tune_commands):
+    for add in (
+        _add_run_commands,
+        _add_prepare_command,
+        _add_plan_command,
+        _add_law_commands,
+        _add_simulate_command,
+        _add_tune_commands,
+    ):
         add(sub)
     return ap
 
@@ -36,18 +53,28 @@ def _add_run_commands(sub: Any) -> None:
     t = sub.add_parser("train", help="train with DiLoCo (or the DP baseline) and export the global model")
     _add_config_args(t)
     t.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue a run from its newest checkpoint")
-    t.add_argument("--address", default=None,
-                   help="Ray cluster address ('auto' joins a running cluster); default: start a local one")
+    t.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address ('auto' joins a running cluster); default: start a local one",
+    )
 
     e = sub.add_parser("eval", help="validation loss of a run's newest checkpoint (global parameters)")
     e.add_argument("run_dir", help="a run directory (with checkpoints/)")
     e.add_argument("--step", type=int, default=None, help="outer step of the checkpoint (default: newest)")
-    e.add_argument("--address", default=None,
-                   help="evaluate on this Ray cluster ('auto', HOST:PORT), in tasks with the run's worker "
-                        "resources (its GPUs); default: in this process (first GPU, else CPU)")
-    e.add_argument("--workers", type=int, default=None,
-                   help="tasks on the cluster (default: the run's replicas x workers per replica); "
-                        "without --address: on RAY_ADDRESS's cluster or a local one")
+    e.add_argument(
+        "--address",
+        default=None,
+        help="evaluate on this Ray cluster ('auto', HOST:PORT), in tasks with the run's worker "
+        "resources (its GPUs); default: in this process (first GPU, else CPU)",
+    )
+    e.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tasks on the cluster (default: the run's replicas x workers per replica); "
+        "without --address: on RAY_ADDRESS's cluster or a local one",
+    )
 
     g = sub.add_parser("generate", help="sample text from a run's exported model")
     g.add_argument("run_dir")
@@ -63,20 +90,36 @@ def _add_run_commands(sub: Any) -> None:
 
 def _add_prepare_command(sub: Any) -> None:
     p = sub.add_parser("prepare", help="tokenise a corpus once, on Ray Data, into a token store (data.prepared)")
-    p.add_argument("sources", nargs="*", metavar="SOURCE",
-                   help="files, directories or globs, local or s3:// / gs://: .txt/.md, .jsonl/.json or .parquet")
+    p.add_argument(
+        "sources",
+        nargs="*",
+        metavar="SOURCE",
+        help="files, directories or globs, local or s3:// / gs://: .txt/.md, .jsonl/.json or .parquet",
+    )
     p.add_argument("--out", required=True, metavar="DIR_OR_URI", help="the store's directory or URI")
-    p.add_argument("--dataset", default=None, metavar="NAME",
-                   help="instead of SOURCE: a Hugging Face dataset (hub name or local dataset directory), streamed")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        metavar="NAME",
+        help="instead of SOURCE: a Hugging Face dataset (hub name or local dataset directory), streamed",
+    )
     p.add_argument("--dataset-config", default=None, metavar="C", help="configuration of --dataset")
     p.add_argument("--split", default="train", metavar="S", help="split of --dataset (default train)")
-    p.add_argument("--tokenizer", default="bpe", metavar="char|bpe|NAME_OR_PATH",
-                   help="char, bpe (byte-level BPE trained on a 32 MB sample), or a Hugging Face tokenizer name, "
-                        "directory or tokenizer.json (default bpe)")
+    p.add_argument(
+        "--tokenizer",
+        default="bpe",
+        metavar="char|bpe|NAME_OR_PATH",
+        help="char, bpe (byte-level BPE trained on a 32 MB sample), or a Hugging Face tokenizer name, "
+        "directory or tokenizer.json (default bpe)",
+    )
     p.add_argument("--bpe-vocab-size", type=int, default=4096, help="vocabulary of the trained BPE (default 4096)")
     p.add_argument("--text-field", default="text", help="column holding the text (JSONL, Parquet, --dataset)")
-    p.add_argument("--val-fraction", type=float, default=0.01,
-                   help="share of the documents, by hash of their text, held out for validation (default 0.01)")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.01,
+        help="share of the documents, by hash of their text, held out for validation (default 0.01)",
+    )
     p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
     p.add_argument("--actors", type=int, default=None, help="tokenizer actors (default: one per CPU)")
     p.add_argument("--address", default=None, help="Ray cluster address; default: start a local one")
@@ -86,59 +129,106 @@ def _add_prepare_command(sub: Any) -> None:
 def _cmd_prepare(a: argparse.Namespace) -> int:
     from ray_diloco.components.prepare import PrepareOptions, prepare_store
 
-    prepare_store(PrepareOptions(
-        sources=a.sources, out=a.out, dataset=a.dataset, dataset_config=a.dataset_config, split=a.split,
-        tokenizer=a.tokenizer, bpe_vocab_size=a.bpe_vocab_size, text_field=a.text_field, val_fraction=a.val_fraction,
-        shard_tokens=a.shard_tokens, actors=a.actors, progress=not a.no_progress), address=a.address)
+    prepare_store(
+        PrepareOptions(
+            sources=a.sources,
+            out=a.out,
+            dataset=a.dataset,
+            dataset_config=a.dataset_config,
+            split=a.split,
+            tokenizer=a.tokenizer,
+            bpe_vocab_size=a.bpe_vocab_size,
+            text_field=a.text_field,
+            val_fraction=a.val_fraction,
+            shard_tokens=a.shard_tokens,
+            actors=a.actors,
+            progress=not a.no_progress,
+        ),
+        address=a.address,
+    )
     print(f"store: {a.out} (train with --set data.prepared={a.out})")
     return 0
 
 
 def _add_plan_command(sub: Any) -> None:
     pl = sub.add_parser("plan", help="fragments, sync steps and bytes per replica of a run, from its config")
-    pl.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
-                    help="YAML file or preset name (default: the built-in defaults)")
+    pl.add_argument(
+        "config_file",
+        nargs="?",
+        default=None,
+        metavar="CONFIG",
+        help="YAML file or preset name (default: the built-in defaults)",
+    )
     _add_config_args(pl)
     pl.add_argument("--from-step", type=int, default=0, help="list the syncs after this inner step (default 0)")
     pl.add_argument("--next", type=int, default=3, dest="upcoming", help="sync steps listed per fragment (default 3)")
     pl.add_argument("--json", default=None, metavar="PATH", help="also write the plan as JSON")
-    pl.add_argument("--chips", type=int, default=None,
-                    help="accelerators per replica: adds the predicted wall-clock (simulator of ray-diloco simulate)")
+    pl.add_argument(
+        "--chips",
+        type=int,
+        default=None,
+        help="accelerators per replica: adds the predicted wall-clock (simulator of ray-diloco simulate)",
+    )
     pl.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s per chip (default 300)")
     pl.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default 0.6)")
-    pl.add_argument("--bandwidth-gbps", type=float, default=None,
-                    help="link between replicas (default: network.bandwidth_gbps, else the bandwidth per target)")
+    pl.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=None,
+        help="link between replicas (default: network.bandwidth_gbps, else the bandwidth per target)",
+    )
     pl.add_argument("--latency-ms", type=float, default=None, help="latency per message (default: network.latency_ms)")
 
 
 def _add_law_commands(sub: Any) -> None:
     """fit, predict."""
-    fi = sub.add_parser("fit", help="scaling laws from a sweep: power laws, joint forms, optimal lr/batch/outer lr, plots")
-    fi.add_argument("table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet")
-    fi.add_argument("--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)")
+    fi = sub.add_parser(
+        "fit", help="scaling laws from a sweep: power laws, joint forms, optimal lr/batch/outer lr, plots"
+    )
+    fi.add_argument(
+        "table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet"
+    )
+    fi.add_argument(
+        "--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)"
+    )
     fi.add_argument("--json", default=None, metavar="PATH", help="also write the fits as JSON here")
-    fi.add_argument("--starts", type=int, default=None,
-                    help="random starts of each parametric-form fit (default 32, as predict uses when it fits a table)")
+    fi.add_argument(
+        "--starts",
+        type=int,
+        default=None,
+        help="random starts of each parametric-form fit (default 32, as predict uses when it fits a table)",
+    )
     fi.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
     pr = sub.add_parser("predict", help="predicted loss, inner lr, global batch and outer lr of a bigger model")
     pr.add_argument("--params", type=float, required=True, help="parameters N of the model, e.g. 4e9")
     pr.add_argument("--replicas", type=int, required=True, help="M (0: data-parallel)")
     pr.add_argument("--H", type=int, default=None, help="sync interval, for the outer lr (default: the largest fitted)")
-    pr.add_argument("--fits", default="paper", metavar="FITS|SWEEP_DIR|TABLE",
-                    help="fits.json from ray-diloco fit, a sweep directory or a table (fitted now), or 'paper' "
-                         "(the published Scaling Laws for DiLoCo fits; default)")
+    pr.add_argument(
+        "--fits",
+        default="paper",
+        metavar="FITS|SWEEP_DIR|TABLE",
+        help="fits.json from ray-diloco fit, a sweep directory or a table (fitted now), or 'paper' "
+        "(the published Scaling Laws for DiLoCo fits; default)",
+    )
     pr.add_argument("--json", default=None, metavar="PATH", help="also write the prediction as JSON")
 
 
 def _add_simulate_command(sub: Any) -> None:
     si = sub.add_parser("simulate", help="compute utilisation vs bandwidth of DP, DiLoCo and Streaming DiLoCo")
-    si.add_argument("--paper-table", action="store_true",
-                    help="the papers' configurations (1B/10B/100B, five methods) beside the published bandwidths")
+    si.add_argument(
+        "--paper-table",
+        action="store_true",
+        help="the papers' configurations (1B/10B/100B, five methods) beside the published bandwidths",
+    )
     si.add_argument("--params", type=float, default=1e9, help="parameters N (default 1e9)")
     si.add_argument("--layers", type=int, default=24, help="transformer blocks (default 24)")
-    si.add_argument("--step-s", type=float, default=None,
-                    help="seconds of compute per step (default: from 6 N x tokens FLOPs, --chips, --tflops, --mfu)")
+    si.add_argument(
+        "--step-s",
+        type=float,
+        default=None,
+        help="seconds of compute per step (default: from 6 N x tokens FLOPs, --chips, --tflops, --mfu)",
+    )
     si.add_argument("--tokens-per-step", type=float, default=2**20, help="global batch in tokens (default 2^20)")
     si.add_argument("--chips", type=int, default=64, help="accelerators per replica (default 64)")
     si.add_argument("--tflops", type=float, default=300.0, help="peak TFLOP/s per chip (default 300)")
@@ -147,10 +237,19 @@ def _add_simulate_command(sub: Any) -> None:
     si.add_argument("--tau", type=int, default=1, help="overlap in inner steps for the +overlap methods (default 1)")
     si.add_argument("--layers-per-fragment", type=int, default=3, help="blocks per fragment (default 3)")
     si.add_argument("--latency-ms", type=float, default=0.0, help="latency per message (default 0)")
-    si.add_argument("--bits", type=float, default=None,
-                    help="bits per value on the wire (default 16, bf16 as in the papers; FP4 methods: 4)")
-    si.add_argument("--target", type=float, action="append", default=None,
-                    help="compute utilisation to reach, repeatable (default 0.5 0.8 0.9 0.95 0.99)")
+    si.add_argument(
+        "--bits",
+        type=float,
+        default=None,
+        help="bits per value on the wire (default 16, bf16 as in the papers; FP4 methods: 4)",
+    )
+    si.add_argument(
+        "--target",
+        type=float,
+        action="append",
+        default=None,
+        help="compute utilisation to reach, repeatable (default 0.5 0.8 0.9 0.95 0.99)",
+    )
     si.add_argument("--plot", default=None, metavar="PNG", help="also plot utilisation vs bandwidth")
     si.add_argument("--json", default=None, metavar="PATH", help="also write the table as JSON")
 
@@ -158,26 +257,51 @@ def _add_simulate_command(sub: Any) -> None:
 def _add_tune_commands(sub: Any) -> None:
     """tune, scale."""
     tu = sub.add_parser("tune", help="a Ray Tune sweep: every trial is a full run with its own replicas")
-    tu.add_argument("--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in docs/sweeps.md)")
-    tu.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="fixed config override for every trial, repeatable")
-    tu.add_argument("--resume", metavar="SWEEP_DIR", default=None,
-                    help="continue an interrupted sweep (Tuner.restore); its trials resume from their checkpoints")
+    tu.add_argument(
+        "--space", default=None, metavar="FILE", help="search-space YAML (tune_spaces/*.yaml; format in docs/sweeps.md)"
+    )
+    tu.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fixed config override for every trial, repeatable",
+    )
+    tu.add_argument(
+        "--resume",
+        metavar="SWEEP_DIR",
+        default=None,
+        help="continue an interrupted sweep (Tuner.restore); its trials resume from their checkpoints",
+    )
     tu.add_argument("--name", default=None, help="sweep name (its directory); default: SPACE-TIMESTAMP")
-    tu.add_argument("--storage-path", default=None,
-                    help="where sweep directories go: a local path or s3://, gs://, file:// (default: run.output_dir/sweeps)")
-    tu.add_argument("--scheduler", choices=("fifo", "asha"), default=None,
-                    help="early stopping (default: the space's, else fifo)")
-    tu.add_argument("--search", choices=("basic", "optuna"), default=None,
-                    help="grid/random (basic) or Optuna (needs optuna installed)")
+    tu.add_argument(
+        "--storage-path",
+        default=None,
+        help="where sweep directories go: a local path or s3://, gs://, file:// (default: run.output_dir/sweeps)",
+    )
+    tu.add_argument(
+        "--scheduler", choices=("fifo", "asha"), default=None, help="early stopping (default: the space's, else fifo)"
+    )
+    tu.add_argument(
+        "--search",
+        choices=("basic", "optuna"),
+        default=None,
+        help="grid/random (basic) or Optuna (needs optuna installed)",
+    )
     tu.add_argument("--num-samples", type=int, default=None, help="samples per grid point (Optuna: trials)")
     tu.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: what the cluster holds)")
     tu.add_argument("--address", default=None, help="Ray cluster address ('auto' joins a running cluster)")
 
     sc = sub.add_parser("scale", help="change the number of replicas of a running DiLoCo run")
     sc.add_argument("run_dir", metavar="RUN_DIR")
-    sc.add_argument("--replicas", type=int, required=True,
-                    help="replicas from the next outer step on: more start when the cluster has room, extra ones leave")
+    sc.add_argument(
+        "--replicas",
+        type=int,
+        required=True,
+        help="replicas from the next outer step on: more start when the cluster has room, extra ones leave",
+    )
 
 
 def _cmd_train(a: argparse.Namespace) -> int:
@@ -226,8 +350,8 @@ def _cmd_config(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from ray_diloco.config import load_config
     from ray_diloco.analysis.plan import format_plan, sync_plan
+    from ray_diloco.config import load_config
 
     if a.config_file is not None and a.config is not None:
         raise RayDilocoError(f"plan: give the config once (CONFIG {a.config_file!r} or --config {a.config!r})")
@@ -236,7 +360,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     bad = [f"{flag} = {v}: must be >= 0" for flag, v in (("--from-step", a.from_step), ("--next", a.upcoming)) if v < 0]
     sim = {"--tflops": a.tflops, "--mfu": a.mfu, "--bandwidth-gbps": a.bandwidth_gbps, "--latency-ms": a.latency_ms}
     if a.chips is None:
-        bad += [f"{flag}: only used with --chips (the simulated wall-clock)" for flag, v in sim.items() if v is not None]
+        bad += [
+            f"{flag}: only used with --chips (the simulated wall-clock)" for flag, v in sim.items() if v is not None
+        ]
     else:
         if a.chips < 1:
             bad.append(f"--chips = {a.chips}: must be an integer >= 1 (accelerators per replica)")
@@ -254,8 +380,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     if a.chips is not None:
         from ray_diloco.analysis.plan import format_wall_clock, wall_clock_plan
 
-        p["wall_clock"] = wall_clock_plan(cfg, p, a.chips, a.tflops or 300.0, a.mfu or 0.6, a.bandwidth_gbps,
-                                          a.latency_ms)
+        p["wall_clock"] = wall_clock_plan(
+            cfg, p, a.chips, a.tflops or 300.0, a.mfu or 0.6, a.bandwidth_gbps, a.latency_ms
+        )
         print()
         print(format_wall_clock(p["wall_clock"]))
     if a.json:
@@ -355,8 +482,10 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     elif src.exists():
         fits, origin = fit_all(load_table(a.fits)), f"fits of {a.fits}"
     else:
-        raise RayDilocoError(f"--fits {a.fits}: not found (give a fits.json from ray-diloco fit, a sweep directory, "
-                             "a .csv/.parquet table, or paper)")
+        raise RayDilocoError(
+            f"--fits {a.fits}: not found (give a fits.json from ray-diloco fit, a sweep directory, "
+            "a .csv/.parquet table, or paper)"
+        )
     try:
         p = predict(fits, a.params, a.replicas, a.H)
         p["fits"] = origin
@@ -364,8 +493,10 @@ def _cmd_predict(a: argparse.Namespace) -> int:
     except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
         if a.fits == "paper" or src.suffix != ".json":
             raise
-        raise RayDilocoError(f"--fits {a.fits}: not fits written by ray-diloco fit (a value of the wrong type or "
-                             f"shape: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})") from None
+        raise RayDilocoError(
+            f"--fits {a.fits}: not fits written by ray-diloco fit (a value of the wrong type or "
+            f"shape: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
+        ) from None
     print(text)
     print(f"  (from {origin})")
     if a.json:
@@ -395,8 +526,13 @@ def _simulate_problems(a: argparse.Namespace) -> list[str]:
     if a.step_s is not None and not (math.isfinite(a.step_s) and a.step_s > 0):
         bad.append(f"--step-s = {a.step_s}: must be a finite number of seconds > 0")
     bad += _chip_problems(a.tflops, a.mfu)
-    for name, v, low in (("--layers", a.layers, 1), ("--chips", a.chips, 1), ("--H", a.H, 1), ("--tau", a.tau, 0),
-                         ("--layers-per-fragment", a.layers_per_fragment, 1)):
+    for name, v, low in (
+        ("--layers", a.layers, 1),
+        ("--chips", a.chips, 1),
+        ("--H", a.H, 1),
+        ("--tau", a.tau, 0),
+        ("--layers-per-fragment", a.layers_per_fragment, 1),
+    ):
         if v < low:
             bad.append(f"{name} = {v}: must be an integer >= {low}")
     if not (math.isfinite(a.latency_ms) and a.latency_ms >= 0):
@@ -407,9 +543,17 @@ def _simulate_problems(a: argparse.Namespace) -> list[str]:
 
 
 def _cmd_simulate(a: argparse.Namespace) -> int:
+    from ray_diloco.analysis.simulate import (
+        METHODS,
+        TARGETS,
+        Method,
+        ModelSpec,
+        bandwidth_table,
+        format_bandwidth_table,
+        paper_rows,
+        step_time_s,
+    )
     from ray_diloco.errors import UsageError
-    from ray_diloco.analysis.simulate import (METHODS, TARGETS, Method, ModelSpec, bandwidth_table, format_bandwidth_table, paper_rows,
-                           step_time_s)
 
     problems = _simulate_problems(a)
     if a.paper_table and a.plot:
@@ -422,32 +566,54 @@ def _cmd_simulate(a: argparse.Namespace) -> int:
     if a.paper_table:
         rows = paper_rows()
         print("Gbit/s needed per compute-utilisation target: ours (the paper's)")
-        for table, title in (("streaming-4", "Streaming DiLoCo Table 4 (H=100)"), ("scaling-6", "Scaling Laws for DiLoCo "
-                                                                                            "Table 6 (10B, 0.8 s/step)")):
+        for table, title in (
+            ("streaming-4", "Streaming DiLoCo Table 4 (H=100)"),
+            ("scaling-6", "Scaling Laws for DiLoCo Table 6 (10B, 0.8 s/step)"),
+        ):
             part = [r for r in rows if r["table"] == table]
             off = [abs(r["steps_off"]) for r in part if r["steps_off"] is not None]
-            print(f"\n{title}: {sum(o == 0 for o in off)}/{len(part)} cells exact, "
-                  f"{sum(o <= 1 for o in off)}/{len(part)} within one grid step, worst {max(off)} steps")
+            print(
+                f"\n{title}: {sum(o == 0 for o in off)}/{len(part)} cells exact, "
+                f"{sum(o <= 1 for o in off)}/{len(part)} within one grid step, worst {max(off)} steps"
+            )
             print(format_bandwidth_table(part, with_paper=True))
         if a.json:
             _write_json(a.json, [{"model": r["model"], "method": r["method"], "H": r["H"], "target": r["target"],
-                                  "gbps": r["gbps"], "paper_gbps": r["paper_gbps"], "table": r["table"]} for r in rows])
+                                  "gbps": r["gbps"], "paper_gbps": r["paper_gbps"], "table": r["table"]} for r in rows])  # fmt: skip
         return 0
     step = a.step_s if a.step_s is not None else step_time_s(a.params, a.tokens_per_step, a.chips, a.tflops, a.mfu)
     model = ModelSpec(f"{a.params:.3g}", a.params, a.layers, step)
-    methods = [Method(k, H=a.H, tau=a.tau, layers_per_fragment=a.layers_per_fragment,
-                      bits=None if a.bits is None or k.endswith("_fp4") else a.bits) for k in METHODS]
+    methods = [
+        Method(
+            k,
+            H=a.H,
+            tau=a.tau,
+            layers_per_fragment=a.layers_per_fragment,
+            bits=None if a.bits is None or k.endswith("_fp4") else a.bits,
+        )
+        for k in METHODS
+    ]
     rows = bandwidth_table(model, methods, targets, a.latency_ms / 1000)
-    src = "(--step-s)" if a.step_s is not None else \
-        f"(6 N x {a.tokens_per_step:.4g} tokens on {a.chips} chips at {a.tflops:g} TFLOP/s x {a.mfu:g} MFU)"
-    print(f"N = {a.params:.4g} parameters, {a.layers} layers, {step:.4g} s of compute per step {src}; H = {a.H}, "
-          f"tau = {a.tau}, {a.layers_per_fragment} layers per fragment, {a.bits or 16:g} bits per value "
-          f"(FP4: 4), latency {a.latency_ms:g} ms")
+    src = (
+        "(--step-s)"
+        if a.step_s is not None
+        else f"(6 N x {a.tokens_per_step:.4g} tokens on {a.chips} chips at {a.tflops:g} TFLOP/s x {a.mfu:g} MFU)"
+    )
+    print(
+        f"N = {a.params:.4g} parameters, {a.layers} layers, {step:.4g} s of compute per step {src}; H = {a.H}, "
+        f"tau = {a.tau}, {a.layers_per_fragment} layers per fragment, {a.bits or 16:g} bits per value "
+        f"(FP4: 4), latency {a.latency_ms:g} ms"
+    )
     print("Gbit/s needed per compute-utilisation target ('-': not reached at 1000 Gbit/s)")
     print(format_bandwidth_table(rows))
     if a.json:
-        _write_json(a.json, [{**r, "params": a.params, "layers": a.layers, "step_s": step,
-                              "latency_s": a.latency_ms / 1000} for r in rows])
+        _write_json(
+            a.json,
+            [
+                {**r, "params": a.params, "layers": a.layers, "step_s": step, "latency_s": a.latency_ms / 1000}
+                for r in rows
+            ],
+        )
     if a.plot:
         from ray_diloco.analysis.plots import plot_utilisation
 
@@ -459,12 +625,24 @@ def _cmd_tune(a: argparse.Namespace) -> int:
     from ray_diloco.tune.sweep import tune
 
     if a.resume is not None and a.overrides:
-        raise RayDilocoError(f"--set {a.overrides[0]}: cannot be combined with --resume (the sweep's saved space is used)")
+        raise RayDilocoError(
+            f"--set {a.overrides[0]}: cannot be combined with --resume (the sweep's saved space is used)"
+        )
     for flag, v in (("--num-samples", a.num_samples), ("--max-concurrent", a.max_concurrent)):
         if v is not None and v < 1:
             raise RayDilocoError(f"{flag} = {v}: must be >= 1")
-    out = tune(a.space, a.overrides, resume=a.resume, name=a.name, storage_path=a.storage_path, scheduler=a.scheduler,
-               search=a.search, num_samples=a.num_samples, max_concurrent=a.max_concurrent, address=a.address)
+    out = tune(
+        a.space,
+        a.overrides,
+        resume=a.resume,
+        name=a.name,
+        storage_path=a.storage_path,
+        scheduler=a.scheduler,
+        search=a.search,
+        num_samples=a.num_samples,
+        max_concurrent=a.max_concurrent,
+        address=a.address,
+    )
     if out["interrupted"]:
         print(f"sweep interrupted: continue it with ray-diloco tune --resume {out['sweep_dir']}", file=sys.stderr)
         return 130
@@ -490,9 +668,19 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
     signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
-    handlers = {"train": _cmd_train, "eval": _cmd_eval, "generate": _cmd_generate, "config": _cmd_config,
-                "prepare": _cmd_prepare, "plan": _cmd_plan, "scale": _cmd_scale, "tune": _cmd_tune, "fit": _cmd_fit, "predict": _cmd_predict,
-                "simulate": _cmd_simulate}
+    handlers = {
+        "train": _cmd_train,
+        "eval": _cmd_eval,
+        "generate": _cmd_generate,
+        "config": _cmd_config,
+        "prepare": _cmd_prepare,
+        "plan": _cmd_plan,
+        "scale": _cmd_scale,
+        "tune": _cmd_tune,
+        "fit": _cmd_fit,
+        "predict": _cmd_predict,
+        "simulate": _cmd_simulate,
+    }
     try:
         return handlers[a.command](a)
     except RayDilocoError as e:

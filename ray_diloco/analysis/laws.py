@@ -23,17 +23,28 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ray_diloco.errors import DataError
 
 COLUMNS = ("N", "M", "H", "inner_lr", "outer_lr", "global_batch", "tokens", "eval_loss")
-ALIASES = {"num_parameters": "N", "params": "N", "n": "N", "replicas": "M", "m": "M", "h": "H",
-           "final_eval_loss": "eval_loss", "loss": "eval_loss", "batch": "global_batch", "lr": "inner_lr"}
+ALIASES = {
+    "num_parameters": "N",
+    "params": "N",
+    "n": "N",
+    "replicas": "M",
+    "m": "M",
+    "h": "H",
+    "final_eval_loss": "eval_loss",
+    "loss": "eval_loss",
+    "batch": "global_batch",
+    "lr": "inner_lr",
+}
 HUBER_DELTA = 1e-3  # on log L (Hoffmann et al.'s choice, kept by the DiLoCo scaling-law paper)
 
 
@@ -83,9 +94,17 @@ PAPER_INDEPENDENT = {  # published independent laws (A, alpha): loss, inner lr, 
     "M=4": {"loss": (19.762, -0.0992), "inner_lr": (4512.99, -0.789), "batch": (0.00535, 0.510)},
     "M=8": {"loss": (21.051, -0.1018), "inner_lr": (618986, -1.102), "batch": (0.01859, 0.455)},
 }
-PAPER_JOINT = {"loss": (19.226, -0.0985, 0.0116), "inner_lr": (22256, -0.8827, 0.2929), "batch": (0.00709, 0.4695, 0.3399)}
-PAPER_FORM_RESIDUALS = {"A*N^alpha*M^beta": 0.0044, "A*N^alpha*M^beta+C": 0.0035, "A*N^(alpha+beta*M)+C": 0.0025,
-                        "A*N^alpha+B*M^beta+C": 0.0043}  # 2.4B held out
+PAPER_JOINT = {
+    "loss": (19.226, -0.0985, 0.0116),
+    "inner_lr": (22256, -0.8827, 0.2929),
+    "batch": (0.00709, 0.4695, 0.3399),
+}
+PAPER_FORM_RESIDUALS = {
+    "A*N^alpha*M^beta": 0.0044,
+    "A*N^alpha*M^beta+C": 0.0035,
+    "A*N^(alpha+beta*M)+C": 0.0025,
+    "A*N^alpha+B*M^beta+C": 0.0043,
+}  # 2.4B held out
 
 
 def paper_table() -> Any:
@@ -93,9 +112,22 @@ def paper_table() -> Any:
     (inner lr, batch, H and outer lr are not published per run: NaN, H = 30)."""
     import pandas as pd
 
-    return pd.DataFrame([{"N": n, "M": m, "H": 30, "inner_lr": np.nan, "outer_lr": np.nan, "global_batch": np.nan,
-                          "tokens": 20 * n, "eval_loss": loss}
-                         for m, losses in PAPER_LOSSES.items() for n, loss in zip(PAPER_SIZES.values(), losses)])
+    return pd.DataFrame(
+        [
+            {
+                "N": n,
+                "M": m,
+                "H": 30,
+                "inner_lr": np.nan,
+                "outer_lr": np.nan,
+                "global_batch": np.nan,
+                "tokens": 20 * n,
+                "eval_loss": loss,
+            }
+            for m, losses in PAPER_LOSSES.items()
+            for n, loss in zip(PAPER_SIZES.values(), losses)
+        ]
+    )
 
 
 PAPER_FITS_FILE = Path(__file__).parents[1] / "data" / "paper_fits.json"  # paper_fits(cached=False), saved
@@ -115,18 +147,31 @@ def paper_fits(starts: int = 8, cached: bool = True) -> dict[str, Any]:
         return json.loads(PAPER_FITS_FILE.read_text())
     df = paper_table()
     best = df.assign(optimal_batch=np.nan)
-    out: dict[str, Any] = {"sizes": sorted(PAPER_SIZES.values()), "replicas": sorted(PAPER_LOSSES),
-                           "independent": {}, "outer_lr": [], "best_rows": best.to_dict(orient="records"),
-                           "source": "Scaling Laws for DiLoCo (published losses; published inner lr and batch laws)",
-                           "batch_unit": "sequences of 2048 tokens"}
+    out: dict[str, Any] = {
+        "sizes": sorted(PAPER_SIZES.values()),
+        "replicas": sorted(PAPER_LOSSES),
+        "independent": {},
+        "outer_lr": [],
+        "best_rows": best.to_dict(orient="records"),
+        "source": "Scaling Laws for DiLoCo (published losses; published inner lr and batch laws)",
+        "batch_unit": "sequences of 2048 tokens",
+    }
     for m, g in df.groupby("M"):
         name = algorithm_name(m)
         loss = fit_power_law(g["N"], g["eval_loss"]).to_dict()
-        out["independent"][name] = {"loss": loss, **{q: {"A": a, "alpha": al, "r2": float("nan")}
-                                                     for q, (a, al) in PAPER_INDEPENDENT[name].items() if q != "loss"}}
+        out["independent"][name] = {
+            "loss": loss,
+            **{
+                q: {"A": a, "alpha": al, "r2": float("nan")}
+                for q, (a, al) in PAPER_INDEPENDENT[name].items()
+                if q != "loss"
+            },
+        }
     diloco = df[df["M"] >= 1]
-    out["joint"] = {"loss": fit_joint(diloco["N"], diloco["M"], diloco["eval_loss"]).to_dict(),
-                    **{q: dict(zip(("A", "alpha", "beta"), v)) for q, v in PAPER_JOINT.items() if q != "loss"}}
+    out["joint"] = {
+        "loss": fit_joint(diloco["N"], diloco["M"], diloco["eval_loss"]).to_dict(),
+        **{q: dict(zip(("A", "alpha", "beta"), v)) for q, v in PAPER_JOINT.items() if q != "loss"},
+    }
     out["forms"], out["best_form"] = fit_forms(diloco, starts)
     return out
 
@@ -154,9 +199,14 @@ def load_table(path: str | Path) -> Any:
     try:
         df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad input file
-        raise DataError(f"{p}: cannot be read as a table ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-    df = df.rename(columns={c: ALIASES[c.lower()] for c in df.columns if c.lower() in ALIASES and
-                            ALIASES[c.lower()] not in df.columns})
+        raise DataError(
+            f"{p}: cannot be read as a table ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+        ) from None
+    df = df.rename(
+        columns={
+            c: ALIASES[c.lower()] for c in df.columns if c.lower() in ALIASES and ALIASES[c.lower()] not in df.columns
+        }
+    )
     missing = [c for c in COLUMNS if c not in df.columns]
     if missing:
         raise DataError(f"{p}: missing column(s) {', '.join(missing)} (needed: {', '.join(COLUMNS)})")
@@ -170,23 +220,29 @@ def load_table(path: str | Path) -> Any:
     df = df[df["eval_loss"].notna()]  # a run without a loss (failed, unfinished) is no data point
     if df.empty:
         raise DataError(f"{p}: no finished run with an eval loss")
-    rules = {"N": ("a number of parameters > 0", lambda v: np.isfinite(v) & (v > 0)),
-             "M": ("an integer >= 0 (0 or dp: data-parallel)", lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))),
-             "eval_loss": ("a finite loss > 0", lambda v: np.isfinite(v) & (v > 0)),
-             "inner_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
-             "global_batch": ("a finite batch > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
-             "H": ("an integer >= 1 (inner steps per outer step), or empty",
-                   lambda v: v.isna() | (np.isfinite(v) & (v >= 1) & (v == np.round(v)))),
-             "outer_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
-             "tokens": ("a finite number of tokens >= 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v >= 0)))}
+    rules = {
+        "N": ("a number of parameters > 0", lambda v: np.isfinite(v) & (v > 0)),
+        "M": ("an integer >= 0 (0 or dp: data-parallel)", lambda v: np.isfinite(v) & (v >= 0) & (v == np.round(v))),
+        "eval_loss": ("a finite loss > 0", lambda v: np.isfinite(v) & (v > 0)),
+        "inner_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+        "global_batch": ("a finite batch > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+        "H": (
+            "an integer >= 1 (inner steps per outer step), or empty",
+            lambda v: v.isna() | (np.isfinite(v) & (v >= 1) & (v == np.round(v))),
+        ),
+        "outer_lr": ("a finite lr > 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v > 0))),
+        "tokens": ("a finite number of tokens >= 0, or empty", lambda v: v.isna() | (np.isfinite(v) & (v >= 0))),
+    }
     for col, (allowed, ok) in rules.items():
         bad = df.index[~ok(df[col])]
         if len(bad):
             i = bad[0]
             v = raw.loc[i, col]
             shown = repr(v) if isinstance(v, str) else v
-            raise DataError(f"{p}: row {i + 2}: {col} = {shown}: must be {allowed}"
-                            + (f" ({len(bad) - 1} more row(s) like it)" if len(bad) > 1 else ""))
+            raise DataError(
+                f"{p}: row {i + 2}: {col} = {shown}: must be {allowed}"
+                + (f" ({len(bad) - 1} more row(s) like it)" if len(bad) > 1 else "")
+            )
     df["M"] = df["M"].astype(int)
     return df.reset_index(drop=True)
 
@@ -207,13 +263,17 @@ def fit_power_law(n: Any, y: Any, what: str = "y") -> PowerLaw:
 
     n, y = np.asarray(n, dtype=float), np.asarray(y, dtype=float)
     if len(np.unique(n)) < 2 or np.any(n <= 0) or not np.all(np.isfinite(y) & (y > 0)):
-        raise DataError(f"a power law of {what} needs finite values > 0 at two or more model sizes "
-                        f"(got {what} = {[round(float(v), 6) for v in y][:8]})")
+        raise DataError(
+            f"a power law of {what} needs finite values > 0 at two or more model sizes "
+            f"(got {what} = {[round(float(v), 6) for v in y][:8]})"
+        )
     r = stats.linregress(np.log(n), np.log(y))
     if not (math.isfinite(r.intercept) and r.intercept < math.log(np.finfo(float).max)):
-        raise DataError(f"the power law of {what} through {[float(f'{v:.4g}') for v in y][:8]} has a coefficient A = "
-                        f"exp({r.intercept:.4g}) beyond a float: the values span too many orders of magnitude")
-    return PowerLaw(float(math.exp(r.intercept)), float(r.slope), float(r.rvalue ** 2))
+        raise DataError(
+            f"the power law of {what} through {[float(f'{v:.4g}') for v in y][:8]} has a coefficient A = "
+            f"exp({r.intercept:.4g}) beyond a float: the values span too many orders of magnitude"
+        )
+    return PowerLaw(float(math.exp(r.intercept)), float(r.slope), float(r.rvalue**2))
 
 
 def optimal_batch(rows: Any) -> float:
@@ -224,9 +284,9 @@ def optimal_batch(rows: Any) -> float:
     Args:
         rows: DataFrame rows of one algorithm and model size (columns global_batch, eval_loss).
     """
-    from scipy.optimize import curve_fit
-
     import warnings
+
+    from scipy.optimize import curve_fit
 
     rows = rows[rows["global_batch"].notna() & (rows["global_batch"] > 0)]
     if rows.empty:
@@ -239,13 +299,17 @@ def optimal_batch(rows: Any) -> float:
     try:
         with warnings.catch_warnings():  # three batches: no covariance estimate, which is not used
             warnings.simplefilter("ignore")
-            (a, c, _), _ = curve_fit(lambda x, a, c, d: a * (x - c) ** 2 + d, b, loss,
-                                     p0=(0.01, float(b[np.argmin(loss)]), float(loss.min())))
+            (a, c, _), _ = curve_fit(
+                lambda x, a, c, d: a * (x - c) ** 2 + d,
+                b,
+                loss,
+                p0=(0.01, float(b[np.argmin(loss)]), float(loss.min())),
+            )
     except (RuntimeError, ValueError):  # no convergence: the best batch tried
         return fallback
     if a <= 0 or not (b.min() - 1 <= c <= b.max() + 1):  # no minimum inside (or one step beyond) the grid
         return fallback
-    return float(2 ** c)
+    return float(2**c)
 
 
 def best_rows(df: Any) -> Any:
@@ -254,9 +318,18 @@ def best_rows(df: Any) -> Any:
     out = []
     for (m, n), g in df.groupby(["M", "N"]):
         r = g.loc[g["eval_loss"].idxmin()]
-        out.append({"M": int(m), "N": float(n), "eval_loss": float(r["eval_loss"]), "inner_lr": float(r["inner_lr"]),
-                    "global_batch": float(r["global_batch"]), "optimal_batch": optimal_batch(g),
-                    "outer_lr": float(r["outer_lr"]), "H": float(r["H"])})
+        out.append(
+            {
+                "M": int(m),
+                "N": float(n),
+                "eval_loss": float(r["eval_loss"]),
+                "inner_lr": float(r["inner_lr"]),
+                "global_batch": float(r["global_batch"]),
+                "optimal_batch": optimal_batch(g),
+                "outer_lr": float(r["outer_lr"]),
+                "H": float(r["H"]),
+            }
+        )
     import pandas as pd
 
     return pd.DataFrame(out)
@@ -354,7 +427,9 @@ def _log_sum_of_terms(theta: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.
     return top + np.log(total), np.einsum("ki,kpi->pi", e / total, x)
 
 
-def _terms(*rows: Callable[[np.ndarray, np.ndarray, np.ndarray], list[Any]]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+def _terms(
+    *rows: Callable[[np.ndarray, np.ndarray, np.ndarray], list[Any]],
+) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
     """``terms`` of a :class:`Form` from one function per term: ``(one, x, m) -> [d log term /
     d theta_j for each j]`` with x = log(N / N0) and ``one`` a vector of ones."""
 
@@ -366,20 +441,28 @@ def _terms(*rows: Callable[[np.ndarray, np.ndarray, np.ndarray], list[Any]]) -> 
 
 
 FORMS = {
-    "A*N^alpha*M^beta": Form("A*N^alpha*M^beta", ("A", "alpha", "beta"),
-                             _terms(lambda one, x, m: [one, x, np.log(m)])),
-    "A*N^alpha*M^beta+C": Form("A*N^alpha*M^beta+C", ("A", "alpha", "beta", "C"),
-                               _terms(lambda one, x, m: [one, x, np.log(m), 0.0],
-                                      lambda one, x, m: [0.0, 0.0, 0.0, one])),
+    "A*N^alpha*M^beta": Form("A*N^alpha*M^beta", ("A", "alpha", "beta"), _terms(lambda one, x, m: [one, x, np.log(m)])),
+    "A*N^alpha*M^beta+C": Form(
+        "A*N^alpha*M^beta+C",
+        ("A", "alpha", "beta", "C"),
+        _terms(lambda one, x, m: [one, x, np.log(m), 0.0], lambda one, x, m: [0.0, 0.0, 0.0, one]),
+    ),
     # beta M log N = (beta log N0) M (1 + log(N/N0) / log N0): theta holds beta log N0 (conditioning)
-    "A*N^(alpha+beta*M)+C": Form("A*N^(alpha+beta*M)+C", ("A", "alpha", "beta", "C"),
-                                 _terms(lambda one, x, m: [one, x, m * (1.0 + x / LOG_N0), 0.0],
-                                        lambda one, x, m: [0.0, 0.0, 0.0, one]),
-                                 scale=(("beta", LOG_N0),)),
-    "A*N^alpha+B*M^beta+C": Form("A*N^alpha+B*M^beta+C", ("A", "alpha", "B", "beta", "C"),
-                                 _terms(lambda one, x, m: [one, x, 0.0, 0.0, 0.0],
-                                        lambda one, x, m: [0.0, 0.0, one, np.log(m), 0.0],
-                                        lambda one, x, m: [0.0, 0.0, 0.0, 0.0, one])),
+    "A*N^(alpha+beta*M)+C": Form(
+        "A*N^(alpha+beta*M)+C",
+        ("A", "alpha", "beta", "C"),
+        _terms(lambda one, x, m: [one, x, m * (1.0 + x / LOG_N0), 0.0], lambda one, x, m: [0.0, 0.0, 0.0, one]),
+        scale=(("beta", LOG_N0),),
+    ),
+    "A*N^alpha+B*M^beta+C": Form(
+        "A*N^alpha+B*M^beta+C",
+        ("A", "alpha", "B", "beta", "C"),
+        _terms(
+            lambda one, x, m: [one, x, 0.0, 0.0, 0.0],
+            lambda one, x, m: [0.0, 0.0, one, np.log(m), 0.0],
+            lambda one, x, m: [0.0, 0.0, 0.0, 0.0, one],
+        ),
+    ),
 }
 
 
@@ -393,8 +476,9 @@ class FormFit:
     objective: float
 
     def __call__(self, n: Any, m: Any) -> Any:
-        return np.exp(FORMS[self.form].log_loss(np.asarray(self.theta), np.asarray(n, dtype=float),
-                                                np.asarray(m, dtype=float)))
+        return np.exp(
+            FORMS[self.form].log_loss(np.asarray(self.theta), np.asarray(n, dtype=float), np.asarray(m, dtype=float))
+        )
 
     def coefficients(self) -> dict[str, float]:
         return FORMS[self.form].coefficients(np.asarray(self.theta))
@@ -458,12 +542,17 @@ def fit_forms(diloco: Any, starts: int) -> tuple[dict[str, Any], str]:
     """Every form of :data:`FORMS` fitted on the DiLoCo rows (columns N, M, eval_loss) and scored
     by :func:`leave_one_size_out`. Returns ``({form: {"coefficients", "theta", "objective",
     "residual_by_N", "residual"}}, best form by mean residual)``."""
-    forms = {}
+    forms: dict[str, dict[str, Any]] = {}
     for name in FORMS:
         fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
         loo = leave_one_size_out(diloco, name, starts=starts)
-        forms[name] = {"coefficients": fit.coefficients(), "theta": list(fit.theta), "objective": fit.objective,
-                       "residual_by_N": {str(k): v for k, v in loo.items()}, "residual": float(np.mean(list(loo.values())))}
+        forms[name] = {
+            "coefficients": fit.coefficients(),
+            "theta": list(fit.theta),
+            "objective": fit.objective,
+            "residual_by_N": {str(k): v for k, v in loo.items()},
+            "residual": float(np.mean(list(loo.values()))),
+        }
     return forms, min(forms, key=lambda k: forms[k]["residual"])
 
 
@@ -500,26 +589,36 @@ def fit_all(df: Any, starts: int = DEFAULT_STARTS) -> dict[str, Any]:
     best = best_rows(df)
     if best["N"].nunique() < 2:
         raise DataError(f"the table has {best['N'].nunique()} model size(s); a scaling law needs at least two")
-    out: dict[str, Any] = {"sizes": sorted(float(n) for n in best["N"].unique()),
-                           "replicas": sorted(int(m) for m in best["M"].unique())}
+    out: dict[str, Any] = {
+        "sizes": sorted(float(n) for n in best["N"].unique()),
+        "replicas": sorted(int(m) for m in best["M"].unique()),
+    }
     out["independent"] = {k: {q: law.to_dict() for q, law in v.items()} for k, v in fit_independent(best).items()}
     diloco = best[best["M"] >= 1]
     out["joint"], out["forms"], out["best_form"] = {}, {}, None
     if diloco["N"].nunique() >= 2 and diloco["M"].nunique() >= 2:
-        out["joint"] = {q: fit_joint(diloco["N"], diloco["M"], diloco[col]).to_dict()
-                        for q, col in (("loss", "eval_loss"), ("inner_lr", "inner_lr"), ("batch", "optimal_batch"))
-                        if diloco[col].notna().all()}
+        out["joint"] = {
+            q: fit_joint(diloco["N"], diloco["M"], diloco[col]).to_dict()
+            for q, col in (("loss", "eval_loss"), ("inner_lr", "inner_lr"), ("batch", "optimal_batch"))
+            if diloco[col].notna().all()
+        }
         if diloco["N"].nunique() >= 3:
             import sys
 
-            print(f"fitting {len(FORMS)} parametric forms, each on all sizes and with each of the "
-                  f"{diloco['N'].nunique()} sizes held out ({starts} starts per fit) ...", file=sys.stderr)
+            print(
+                f"fitting {len(FORMS)} parametric forms, each on all sizes and with each of the "
+                f"{diloco['N'].nunique()} sizes held out ({starts} starts per fit) ...",
+                file=sys.stderr,
+            )
             out["forms"], out["best_form"] = fit_forms(diloco, starts)
     out["outer_lr"] = optimal_outer_lr(df)
     out["best_rows"] = best.to_dict(orient="records")
     seq = sorted(df["seq_len"].dropna().unique()) if "seq_len" in df.columns else []
-    out["batch_unit"] = f"sequences of {int(seq[0])} tokens" if len(seq) == 1 else \
-        "sequences (the table's global_batch unit; it has no single seq_len)"
+    out["batch_unit"] = (
+        f"sequences of {int(seq[0])} tokens"
+        if len(seq) == 1
+        else "sequences (the table's global_batch unit; it has no single seq_len)"
+    )
     return out
 
 
@@ -547,8 +646,10 @@ def _held_out_warning(fits: dict[str, Any], form: str) -> str | None:
     if worst is None:
         return None
     n, miss, loss = worst
-    return (f"fitted without N = {n:.3g}, this form missed its loss ({loss:.4g}) by {miss:.4g} "
-            f"({100 * miss / loss:.1f}%): the loss is a rough estimate")
+    return (
+        f"fitted without N = {n:.3g}, this form missed its loss ({loss:.4g}) by {miss:.4g} "
+        f"({100 * miss / loss:.1f}%): the loss is a rough estimate"
+    )
 
 
 def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = None) -> dict[str, Any]:
@@ -564,8 +665,11 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     Raises:
         DataError: nothing fitted for that algorithm.
     """
-    missing = [k for k in ("sizes", "replicas", "independent", "joint", "forms", "best_form", "outer_lr")
-               if not isinstance(fits, dict) or k not in fits]
+    missing = [
+        k
+        for k in ("sizes", "replicas", "independent", "joint", "forms", "best_form", "outer_lr")
+        if not isinstance(fits, dict) or k not in fits
+    ]
     if missing:
         raise DataError(f"--fits: not fits written by ray-diloco fit (missing {', '.join(missing)})")
     name = algorithm_name(replicas)
@@ -582,8 +686,10 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
         out["eval_loss"] = float(PowerLaw(**ind["loss"])(params))
         out["loss_from"] = {"form": f"A*N^alpha ({name})", "r2": ind["loss"]["r2"]}
     else:
-        raise DataError(f"--replicas {replicas}: the table has no {name} rows at two or more sizes to fit "
-                        f"(fitted: {', '.join(fits['independent']) or 'none'})")
+        raise DataError(
+            f"--replicas {replicas}: the table has no {name} rows at two or more sizes to fit "
+            f"(fitted: {', '.join(fits['independent']) or 'none'})"
+        )
     for q in ("inner_lr", "batch"):
         if ind is not None and q in ind:
             out[q] = float(PowerLaw(**ind[q])(params))
@@ -606,8 +712,10 @@ def predict(fits: dict[str, Any], params: float, replicas: int, H: int | None = 
     if notes:
         out["extrapolation"] = "; ".join(notes)
     if replicas >= 1 and fits["outer_lr"]:
-        near = min(fits["outer_lr"], key=lambda r: (abs(math.log2(r["M"]) - math.log2(replicas)),
-                                                    abs(r["H"] - H) if H is not None else -r["H"]))
+        near = min(
+            fits["outer_lr"],
+            key=lambda r: (abs(math.log2(r["M"]) - math.log2(replicas)), abs(r["H"] - H) if H is not None else -r["H"]),
+        )
         out["outer_lr"], out["outer_lr_from"] = near["outer_lr"], {"M": near["M"], "H": near["H"]}
     return out
 
@@ -620,29 +728,37 @@ def _stat(value: float | None) -> str:
 
 def format_fits(fits: dict[str, Any]) -> str:
     """The fits as readable tables (for ``ray-diloco fit``)."""
-    lines = [f"model sizes: {', '.join(f'{n:.3g}' for n in fits['sizes'])}; "
-             f"algorithms: {', '.join(algorithm_name(m) for m in fits['replicas'])}", "",
-             "independent power laws y = A * N^alpha",
-             f"{'algorithm':<10} {'loss A':>10} {'alpha':>9} {'r2':>7} {'inner lr A':>12} {'alpha':>9} {'batch A':>10} "
-             f"{'alpha':>8}"]
+    lines = [
+        f"model sizes: {', '.join(f'{n:.3g}' for n in fits['sizes'])}; "
+        f"algorithms: {', '.join(algorithm_name(m) for m in fits['replicas'])}",
+        "",
+        "independent power laws y = A * N^alpha",
+        f"{'algorithm':<10} {'loss A':>10} {'alpha':>9} {'r2':>7} {'inner lr A':>12} {'alpha':>9} {'batch A':>10} "
+        f"{'alpha':>8}",
+    ]
     for k, v in fits["independent"].items():
         lr, b = v.get("inner_lr"), v.get("batch")
-        lines.append(f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {_stat(v['loss']['r2']):>7} "
-                     + (f"{lr['A']:>12.5g} {lr['alpha']:>9.4f} " if lr else f"{'-':>12} {'-':>9} ")
-                     + (f"{b['A']:>10.4g} {b['alpha']:>8.4f}" if b else f"{'-':>10} {'-':>8}"))
+        lines.append(
+            f"{k:<10} {v['loss']['A']:>10.4g} {v['loss']['alpha']:>9.4f} {_stat(v['loss']['r2']):>7} "
+            + (f"{lr['A']:>12.5g} {lr['alpha']:>9.4f} " if lr else f"{'-':>12} {'-':>9} ")
+            + (f"{b['A']:>10.4g} {b['alpha']:>8.4f}" if b else f"{'-':>10} {'-':>8}")
+        )
     if fits["joint"]:
         lines += ["", "joint laws y = A * N^alpha * M^beta (DiLoCo rows)"]
         for q, c in fits["joint"].items():
             lines.append(f"  {q:<9} A = {c['A']:.5g}, alpha = {c['alpha']:.4f}, beta = {c['beta']:.4f}")
     if fits["forms"]:
         sizes = list(next(iter(fits["forms"].values()))["residual_by_N"])
-        lines += ["", "parametric forms L(N, M) (N in parameters), Huber on log L; leave-one-size-out |residual| "
-                  "per held-out N",
-                  f"{'form':<22} {'mean':>8} " + " ".join(f"{float(s):>8.3g}" for s in sizes)]
+        lines += [
+            "",
+            "parametric forms L(N, M) (N in parameters), Huber on log L; leave-one-size-out |residual| per held-out N",
+            f"{'form':<22} {'mean':>8} " + " ".join(f"{float(s):>8.3g}" for s in sizes),
+        ]
         for name, f in fits["forms"].items():
             mark = "  <- best" if name == fits["best_form"] else ""
-            lines.append(f"{name:<22} {f['residual']:>8.4f} " +
-                         " ".join(f"{f['residual_by_N'][s]:>8.4f}" for s in sizes) + mark)
+            lines.append(
+                f"{name:<22} {f['residual']:>8.4f} " + " ".join(f"{f['residual_by_N'][s]:>8.4f}" for s in sizes) + mark
+            )
     if fits["outer_lr"]:
         lines += ["", "best outer lr per (M, H) (per N in brackets)"]
         for r in fits["outer_lr"]:
@@ -654,11 +770,16 @@ def format_fits(fits: dict[str, Any]) -> str:
 def format_prediction(p: dict[str, Any]) -> str:
     """A prediction (:func:`predict`) as lines."""
     src = p["loss_from"]
-    how = f"form {src['form']}, leave-one-size-out residual {_stat(src['residual'])}" if "residual" in src \
+    how = (
+        f"form {src['form']}, leave-one-size-out residual {_stat(src['residual'])}"
+        if "residual" in src
         else f"{src['form']}, r2 {_stat(src['r2'])}"
-    lines = [f"{p['algorithm']} at N = {p['params']:.4g} parameters"
-             + (f" (an extrapolation: {p['extrapolation']})" if p.get("extrapolation") else ""),
-             f"  eval loss     {p['eval_loss']:.4f}   ({how})"]
+    )
+    lines = [
+        f"{p['algorithm']} at N = {p['params']:.4g} parameters"
+        + (f" (an extrapolation: {p['extrapolation']})" if p.get("extrapolation") else ""),
+        f"  eval loss     {p['eval_loss']:.4f}   ({how})",
+    ]
     if p.get("loss_warning"):
         lines.append(f"  warning: {p['loss_warning']}")
     if p.get("inner_lr") is not None:
@@ -666,9 +787,12 @@ def format_prediction(p: dict[str, Any]) -> str:
     if p.get("global_batch") is not None:
         lines.append(f"  global batch  {p['global_batch']:.4g} {p['global_batch_unit']}   ({p['global_batch_from']})")
     if p.get("outer_lr") is not None:
-        lines.append(f"  outer lr      {p['outer_lr']:g}   (best at M={p['outer_lr_from']['M']}, "
-                     f"H={p['outer_lr_from']['H']})")
+        lines.append(
+            f"  outer lr      {p['outer_lr']:g}   (best at M={p['outer_lr_from']['M']}, H={p['outer_lr_from']['H']})"
+        )
     elif p["replicas"] >= 1:
-        lines.append("  outer lr      -        (these fits hold no outer-lr sweep; the paper finds it independent of N, "
-                     "rising with M and H)")
+        lines.append(
+            "  outer lr      -        (these fits hold no outer-lr sweep; the paper finds it independent of N, "
+            "rising with M and H)"
+        )
     return "\n".join(lines)

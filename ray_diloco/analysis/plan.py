@@ -10,19 +10,17 @@ equivalent (``exchange.dp_equivalent_bytes``).
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch
 
 from ray_diloco.config import Config
-from ray_diloco.errors import ConfigError
-from ray_diloco.core.wire import DP_FORMULA, dp_equivalent_bytes
-from ray_diloco.core.fragments import block_index, param_specs
-from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
+from ray_diloco.core.fragments import block_index, fragment_plan, param_specs
 from ray_diloco.core.quantize import message_nbytes
-from ray_diloco.core.fragments import fragment_plan
 from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.core.wire import DP_FORMULA, dp_equivalent_bytes
+from ray_diloco.errors import ConfigError
+from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
 from ray_diloco.runtime.strategy import STRATEGIES, strategy_class
 
 
@@ -82,24 +80,42 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
     sched = SyncSchedule(H, F, cfg.streaming.overlap_steps, T, cfg.streaming.closing_round)
     fmt = cfg.streaming.quantization
     sends = sched.sends_between(0, T)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for f in frags:
         up = message_nbytes(f.numel, fmt)
         steps = [t for t, g in sends if g == f.index]
-        rows.append({"fragment": f.index, "contents": _describe(f.names), "params": f.numel, "offset": sched.offset(f.index),
-                     "next_syncs": [t for t in steps if t > from_step][:upcoming], "syncs": len(steps),
-                     "bytes_up_per_sync": up, "bytes_down_per_sync": up})
+        rows.append(
+            {
+                "fragment": f.index,
+                "contents": _describe(f.names),
+                "params": f.numel,
+                "offset": sched.offset(f.index),
+                "next_syncs": [t for t in steps if t > from_step][:upcoming],
+                "syncs": len(steps),
+                "bytes_up_per_sync": up,
+                "bytes_down_per_sync": up,
+            }
+        )
     n = sum(f.numel for f in frags)
     M = cfg.diloco.replicas
     total_up = sum(r["bytes_up_per_sync"] * r["syncs"] for r in rows)
     total_down = sum(r["bytes_down_per_sync"] * r["syncs"] for r in rows)
     dp32 = 2 * dp_equivalent_bytes(n, T, M, 4)
     return {
-        "algorithm": cfg.algorithm, "params": n, "fragments": F, "H": H, "overlap_steps": sched.overlap,
-        "steps": T, "quantization": fmt, "replicas": M, "rows": rows,
-        "bytes_up_per_replica": total_up, "bytes_down_per_replica": total_down,
+        "algorithm": cfg.algorithm,
+        "params": n,
+        "fragments": F,
+        "H": H,
+        "overlap_steps": sched.overlap,
+        "steps": T,
+        "quantization": fmt,
+        "replicas": M,
+        "rows": rows,
+        "bytes_up_per_replica": total_up,
+        "bytes_down_per_replica": total_down,
         "peak_sync_bytes": max(r["bytes_up_per_sync"] + r["bytes_down_per_sync"] for r in rows),
-        "dp_fp32_bytes_per_replica": dp32, "dp_bf16_bytes_per_replica": 2 * dp_equivalent_bytes(n, T, M, 2),
+        "dp_fp32_bytes_per_replica": dp32,
+        "dp_bf16_bytes_per_replica": 2 * dp_equivalent_bytes(n, T, M, 2),
         "dp_formula": DP_FORMULA,
         "fewer_bytes_than_dp_fp32": dp32 / (total_up + total_down) if total_up and dp32 else None,
     }
@@ -115,31 +131,44 @@ def _fmt_bytes(b: float) -> str:
 
 def format_plan(p: dict[str, Any]) -> str:
     """A readable table of :func:`sync_plan`."""
-    lines = [f"{p['algorithm']}: {p['params']:,} parameters in {p['fragments']} fragment(s); H={p['H']}, "
-             f"tau={p['overlap_steps']}, {p['steps']} steps, quantization {p['quantization']}, M={p['replicas']}",
-             "",
-             f"{'frag':>4}  {'params':>12}  {'offset':>6}  {'syncs':>5}  {'up/sync':>10}  {'down/sync':>10}  "
-             f"{'next syncs':<18}  contents"]
+    lines = [
+        f"{p['algorithm']}: {p['params']:,} parameters in {p['fragments']} fragment(s); H={p['H']}, "
+        f"tau={p['overlap_steps']}, {p['steps']} steps, quantization {p['quantization']}, M={p['replicas']}",
+        "",
+        f"{'frag':>4}  {'params':>12}  {'offset':>6}  {'syncs':>5}  {'up/sync':>10}  {'down/sync':>10}  "
+        f"{'next syncs':<18}  contents",
+    ]
     for r in p["rows"]:
         nxt = ",".join(map(str, r["next_syncs"])) or "-"
-        lines.append(f"{r['fragment']:>4}  {r['params']:>12,}  {r['offset']:>6}  {r['syncs']:>5}  "
-                     f"{_fmt_bytes(r['bytes_up_per_sync']):>10}  {_fmt_bytes(r['bytes_down_per_sync']):>10}  "
-                     f"{nxt:<18}  {r['contents']}")
+        lines.append(
+            f"{r['fragment']:>4}  {r['params']:>12,}  {r['offset']:>6}  {r['syncs']:>5}  "
+            f"{_fmt_bytes(r['bytes_up_per_sync']):>10}  {_fmt_bytes(r['bytes_down_per_sync']):>10}  "
+            f"{nxt:<18}  {r['contents']}"
+        )
     ratio = p["fewer_bytes_than_dp_fp32"]
-    lines += ["",
-              f"per replica over the run: {_fmt_bytes(p['bytes_up_per_replica'])} up, "
-              f"{_fmt_bytes(p['bytes_down_per_replica'])} down; peak per sync {_fmt_bytes(p['peak_sync_bytes'])}",
-              f"data-parallel equivalent (up + down): {_fmt_bytes(p['dp_fp32_bytes_per_replica'])} fp32, "
-              f"{_fmt_bytes(p['dp_bf16_bytes_per_replica'])} bf16"
-              + (f"; {ratio:,.0f}x fewer bytes than fp32 DP" if ratio else ""),
-              f"  ({p['dp_formula']})"]
+    lines += [
+        "",
+        f"per replica over the run: {_fmt_bytes(p['bytes_up_per_replica'])} up, "
+        f"{_fmt_bytes(p['bytes_down_per_replica'])} down; peak per sync {_fmt_bytes(p['peak_sync_bytes'])}",
+        f"data-parallel equivalent (up + down): {_fmt_bytes(p['dp_fp32_bytes_per_replica'])} fp32, "
+        f"{_fmt_bytes(p['dp_bf16_bytes_per_replica'])} bf16"
+        + (f"; {ratio:,.0f}x fewer bytes than fp32 DP" if ratio else ""),
+        f"  ({p['dp_formula']})",
+    ]
     if STRATEGIES[p["algorithm"]].all_reduces_every_step:
         lines.insert(1, "note: algorithm dp all-reduces every step; the rows show what DiLoCo would exchange")
     return "\n".join(lines)
 
 
-def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, mfu: float,
-                    bandwidth_gbps: float | None = None, latency_ms: float | None = None) -> dict[str, Any]:
+def wall_clock_plan(
+    cfg: Config,
+    p: dict[str, Any],
+    chips: int,
+    tflops: float,
+    mfu: float,
+    bandwidth_gbps: float | None = None,
+    latency_ms: float | None = None,
+) -> dict[str, Any]:
     """The run's predicted wall-clock from the compute-utilisation simulator
     (:mod:`ray_diloco.analysis.simulate`): step time from 6 x N x (global batch x seq len) FLOPs split
     over M replicas of ``chips`` chips at ``tflops`` x ``mfu``; the run's own method (DP, DiLoCo H, or
@@ -148,8 +177,16 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
 
     Returns a dict with ``step_s``, ``method``, ``bits_per_value`` and either ``bandwidth_gbps``,
     ``utilisation``, ``compute_s``, ``total_s`` or ``required_gbps`` (target -> Gbit/s)."""
-    from ray_diloco.analysis.simulate import (TARGETS, Method, ModelSpec, Network, link_factor, required_bandwidth,
-                                              step_time_s, wall_clock)
+    from ray_diloco.analysis.simulate import (
+        TARGETS,
+        Method,
+        ModelSpec,
+        Network,
+        link_factor,
+        required_bandwidth,
+        step_time_s,
+        wall_clock,
+    )
 
     tokens = cfg.inner.global_batch * cfg.data.seq_len
     step = step_time_s(p["params"], tokens, chips * cfg.diloco.replicas, tflops, mfu)  # the batch is split over M
@@ -161,45 +198,75 @@ def wall_clock_plan(cfg: Config, p: dict[str, Any], chips: int, tflops: float, m
     elif p["fragments"] == 1 and p["overlap_steps"] == 0:
         method = Method("diloco", H=p["H"], bits=bits)
     else:
-        method = Method("streaming_overlap" if p["overlap_steps"] else "streaming", H=p["H"], tau=p["overlap_steps"],
-                        bits=bits, fragments=p["fragments"])
+        method = Method(
+            "streaming_overlap" if p["overlap_steps"] else "streaming",
+            H=p["H"],
+            tau=p["overlap_steps"],
+            bits=bits,
+            fragments=p["fragments"],
+        )
     latency = (latency_ms if latency_ms is not None else cfg.network.latency_ms) / 1000
     replicas = max(2, cfg.diloco.replicas)
-    out: dict[str, Any] = {"step_s": step, "tokens_per_step": tokens, "chips_per_replica": chips, "method": method.kind,
-                           "bits_per_value": method.wire_bits, "latency_s": latency, "steps": p["steps"]}
+    out: dict[str, Any] = {
+        "step_s": step,
+        "tokens_per_step": tokens,
+        "chips_per_replica": chips,
+        "method": method.kind,
+        "bits_per_value": method.wire_bits,
+        "latency_s": latency,
+        "steps": p["steps"],
+    }
     bw = bandwidth_gbps if bandwidth_gbps is not None else cfg.network.bandwidth_gbps
     exchange = "ring" if method.kind == "dp" else "server"  # DDP all-reduces; DiLoCo goes through the driver
     shards = 1 if method.kind == "dp" else min(cfg.diloco.outer_shards, replicas)  # one per replica node at most
-    out.update(exchange=exchange, outer_shards=shards,
-               link_factor=link_factor(Network(1.0, 0.0, replicas, exchange, shards), method.kind == "dp"),
-               ring_factor=link_factor(Network(1.0, 0.0, replicas)))
+    out.update(
+        exchange=exchange,
+        outer_shards=shards,
+        link_factor=link_factor(Network(1.0, 0.0, replicas, exchange, shards), method.kind == "dp"),
+        ring_factor=link_factor(Network(1.0, 0.0, replicas)),
+    )
     if bw is not None:
         net = Network(bw, latency, replicas, exchange, shards)
         out.update({"bandwidth_gbps": bw, **wall_clock(model, method, net, p["steps"])})
     else:
-        out["required_gbps"] = {str(t): required_bandwidth(model, method, t, latency, replicas, exchange=exchange,
-                                                           shards=shards) for t in TARGETS}
+        out["required_gbps"] = {
+            str(t): required_bandwidth(model, method, t, latency, replicas, exchange=exchange, shards=shards)
+            for t in TARGETS
+        }
     return out
 
 
 def format_wall_clock(w: dict[str, Any]) -> str:
     """:func:`wall_clock_plan` as lines."""
-    head = (f"simulated: {w['method']}, {w['bits_per_value']:.3g} bits per value on the wire, {w['step_s']:.4g} s of "
-            f"compute per step ({w['tokens_per_step']:,} tokens over the replicas, {w['chips_per_replica']} chip(s) "
-            "each)")
+    head = (
+        f"simulated: {w['method']}, {w['bits_per_value']:.3g} bits per value on the wire, {w['step_s']:.4g} s of "
+        f"compute per step ({w['tokens_per_step']:,} tokens over the replicas, {w['chips_per_replica']} chip(s) "
+        "each)"
+    )
     if w["exchange"] == "server":
-        who = "the outer-optimiser actor: its link" if w.get("outer_shards", 1) == 1 else \
-            f"{w['outer_shards']} outer-optimiser shards (diloco.outer_shards) on replica nodes: a shard node's link"
-        head += (f"\nthe outer exchange goes through {who} moves {w['link_factor']:.3g} x "
-                 f"the synced values each way (a ring all-reduce: {w['ring_factor']:.3g} x)")
+        who = (
+            "the outer-optimiser actor: its link"
+            if w.get("outer_shards", 1) == 1
+            else f"{w['outer_shards']} outer-optimiser shards (diloco.outer_shards) on replica nodes: a shard node's link"
+        )
+        head += (
+            f"\nthe outer exchange goes through {who} moves {w['link_factor']:.3g} x "
+            f"the synced values each way (a ring all-reduce: {w['ring_factor']:.3g} x)"
+        )
     if "total_s" in w:
-        return "\n".join([head, f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "
-                                 f"{w['total_s'] / 3600:.3g} h for {w['steps']:,} steps "
-                                 f"({w['compute_s'] / 3600:.3g} h compute + {w['exposed_comm_s'] / 3600:.3g} h exposed "
-                                 "communication)"])
+        return "\n".join(
+            [
+                head,
+                f"at {w['bandwidth_gbps']:g} Gbit/s: compute utilisation {w['utilisation']:.1%}, "
+                f"{w['total_s'] / 3600:.3g} h for {w['steps']:,} steps "
+                f"({w['compute_s'] / 3600:.3g} h compute + {w['exposed_comm_s'] / 3600:.3g} h exposed "
+                "communication)",
+            ]
+        )
     need = ", ".join(f"{float(t):.0%}: {'-' if v is None else f'{v:.1f}'}" for t, v in w["required_gbps"].items())
-    return "\n".join([head, f"Gbit/s needed per compute utilisation: {need} "
-                             "(give --bandwidth-gbps for the wall-clock)"])
+    return "\n".join(
+        [head, f"Gbit/s needed per compute utilisation: {need} (give --bandwidth-gbps for the wall-clock)"]
+    )
 
 
 __all__ = ["format_plan", "format_wall_clock", "plan_vocab_size", "sync_plan", "wall_clock_plan"]

@@ -59,8 +59,7 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
         dots = ax.loglog(*zip(*pts), "o", label=name)[0]
         if name in fits["independent"]:
             law = PowerLaw(**fits["independent"][name]["loss"])
-            ax.loglog(line, law(line), "-", color=dots.get_color(), lw=1,
-                      label=f"{law.A:.4g} N^{law.alpha:.4f}")
+            ax.loglog(line, law(line), "-", color=dots.get_color(), lw=1, label=f"{law.A:.4g} N^{law.alpha:.4f}")
     from matplotlib.ticker import FormatStrFormatter
 
     ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))  # losses span less than a decade
@@ -77,8 +76,12 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
         held = [float(s) for s in next(iter(fits["forms"].values()))["residual_by_N"]]
         x = np.arange(len(held))
         for i, (name, f) in enumerate(fits["forms"].items()):
-            ax.bar(x + i * width, [f["residual_by_N"][str(s)] for s in held], width,
-                   label=f"{name} (mean {f['residual']:.4f})")
+            ax.bar(
+                x + i * width,
+                [f["residual_by_N"][str(s)] for s in held],
+                width,
+                label=f"{name} (mean {f['residual']:.4f})",
+            )
         ax.set_xticks(x + width * (len(FORMS) - 1) / 2, [f"{s:.3g}" for s in held])
         ax.set_xlabel("held-out model size N")
         ax.set_ylabel("|predicted - measured| loss")
@@ -89,8 +92,10 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
     paths.append(_save(fig, out / "residuals.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, col, label in ((axes[0], "inner_lr", "inner_lr", "optimal inner lr"),
-                                (axes[1], "batch", "optimal_batch", "optimal global batch")):
+    for ax, key, col, label in (
+        (axes[0], "inner_lr", "inner_lr", "optimal inner lr"),
+        (axes[1], "batch", "optimal_batch", "optimal global batch"),
+    ):
         for m in fits["replicas"]:
             name = algorithm_name(m)
             pts = [(r["N"], r[col]) for r in best if r["M"] == m and r[col] == r[col]]  # not NaN
@@ -111,8 +116,9 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def plot_utilisation(model: Any, methods: list[Any], path: str | Path, latency_s: float = 0.0,
-                     replicas: int = 2) -> Path:
+def plot_utilisation(
+    model: Any, methods: list[Any], path: str | Path, latency_s: float = 0.0, replicas: int = 2
+) -> Path:
     """Compute utilisation vs bandwidth (log axis, 0.1-1000 Gbit/s) for each method."""
     from ray_diloco.analysis.simulate import BANDWIDTH_GRID_GBPS, METHOD_NAMES, Network, compute_utilisation
 

@@ -39,8 +39,13 @@ from ray_diloco.errors import ConfigError
 
 BANDWIDTH_GRID_GBPS = np.geomspace(0.1, 1000.0, 50)
 METHODS = ("dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
-METHOD_NAMES = {"dp": "DP", "diloco": "DiLoCo", "streaming": "Streaming", "streaming_overlap": "Streaming+overlap",
-                "streaming_overlap_fp4": "Streaming+overlap+FP4"}
+METHOD_NAMES = {
+    "dp": "DP",
+    "diloco": "DiLoCo",
+    "streaming": "Streaming",
+    "streaming_overlap": "Streaming+overlap",
+    "streaming_overlap_fp4": "Streaming+overlap+FP4",
+}
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 FORWARD_FRACTION = 1.0 / 3.0  # of a step's compute; the backward pass is the other 2/3
 
@@ -57,8 +62,11 @@ class ModelSpec:
 
 
 # Streaming DiLoCo Table 4 (60% MFU): 1B 24 layers 0.1 s/step, 10B 48 layers 0.8 s, 100B 108 layers 4.9 s
-PAPER_MODELS = {"1B": ModelSpec("1B", 1e9, 24, 0.1), "10B": ModelSpec("10B", 1e10, 48, 0.8),
-                "100B": ModelSpec("100B", 1e11, 108, 4.9)}
+PAPER_MODELS = {
+    "1B": ModelSpec("1B", 1e9, 24, 0.1),
+    "10B": ModelSpec("10B", 1e10, 48, 0.8),
+    "100B": ModelSpec("100B", 1e11, 108, 4.9),
+}
 
 
 EXCHANGES = ("ring", "server")
@@ -126,8 +134,12 @@ class Method:
         if self.kind not in METHODS:
             raise ConfigError([f"method = {self.kind!r}: must be one of {', '.join(METHODS)}"])
         if self.H < 1 or self.layers_per_fragment < 1 or self.tau < 0 or (self.bits is not None and self.bits <= 0):
-            raise ConfigError([f"method {self.kind}: H = {self.H}, layers per fragment = {self.layers_per_fragment}, "
-                               f"tau = {self.tau}, bits = {self.bits}: need H >= 1, layers >= 1, tau >= 0, bits > 0"])
+            raise ConfigError(
+                [
+                    f"method {self.kind}: H = {self.H}, layers per fragment = {self.layers_per_fragment}, "
+                    f"tau = {self.tau}, bits = {self.bits}: need H >= 1, layers >= 1, tau >= 0, bits > 0"
+                ]
+            )
 
     @property
     def wire_bits(self) -> float:
@@ -168,9 +180,16 @@ def compute_utilisation(model: ModelSpec, method: Method, net: Network) -> float
     return period_s / (period_s + exposed)
 
 
-def required_bandwidth(model: ModelSpec, method: Method, target: float, latency_s: float = 0.0,
-                       replicas: int = 2, grid: Any = BANDWIDTH_GRID_GBPS, exchange: str = "ring",
-                       shards: int = 1) -> float | None:
+def required_bandwidth(
+    model: ModelSpec,
+    method: Method,
+    target: float,
+    latency_s: float = 0.0,
+    replicas: int = 2,
+    grid: Any = BANDWIDTH_GRID_GBPS,
+    exchange: str = "ring",
+    shards: int = 1,
+) -> float | None:
     """The smallest bandwidth of ``grid`` (Gbit/s) at which the utilisation reaches ``target``;
     None when even the largest does not."""
     for w in grid:
@@ -230,23 +249,57 @@ def paper_rows(include_table6: bool = True) -> list[dict[str, Any]]:
     for (model, kind), values in PAPER_TABLE4.items():
         for target, pub in zip(TARGETS, values):
             ours = required_bandwidth(PAPER_MODELS[model], Method(kind, H=100), target)
-            rows.append({"table": "streaming-4", "model": model, "method": kind, "H": 1 if kind == "dp" else 100,
-                         "target": target, "gbps": ours, "paper_gbps": pub, "steps_off": grid_steps(ours, pub)})
+            rows.append(
+                {
+                    "table": "streaming-4",
+                    "model": model,
+                    "method": kind,
+                    "H": 1 if kind == "dp" else 100,
+                    "target": target,
+                    "gbps": ours,
+                    "paper_gbps": pub,
+                    "steps_off": grid_steps(ours, pub),
+                }
+            )
     if include_table6:
         for H, values in PAPER_TABLE6_10B.items():
             kind = "dp" if H == 1 else "diloco"
             for target, pub in zip(TARGETS, values):
                 ours = required_bandwidth(PAPER_MODELS["10B"], Method(kind, H=max(H, 1)), target)
-                rows.append({"table": "scaling-6", "model": "10B", "method": kind, "H": H, "target": target,
-                             "gbps": ours, "paper_gbps": pub, "steps_off": grid_steps(ours, pub)})
+                rows.append(
+                    {
+                        "table": "scaling-6",
+                        "model": "10B",
+                        "method": kind,
+                        "H": H,
+                        "target": target,
+                        "gbps": ours,
+                        "paper_gbps": pub,
+                        "steps_off": grid_steps(ours, pub),
+                    }
+                )
     return rows
 
 
-def bandwidth_table(model: ModelSpec, methods: list[Method], targets: tuple[float, ...] = TARGETS,
-                    latency_s: float = 0.0, replicas: int = 2) -> list[dict[str, Any]]:
+def bandwidth_table(
+    model: ModelSpec,
+    methods: list[Method],
+    targets: tuple[float, ...] = TARGETS,
+    latency_s: float = 0.0,
+    replicas: int = 2,
+) -> list[dict[str, Any]]:
     """``{"model", "method", "H", "target", "gbps"}`` for every method and target."""
-    return [{"model": model.name, "method": m.kind, "H": 1 if m.kind == "dp" else m.H, "target": t,
-             "gbps": required_bandwidth(model, m, t, latency_s, replicas)} for m in methods for t in targets]
+    return [
+        {
+            "model": model.name,
+            "method": m.kind,
+            "H": 1 if m.kind == "dp" else m.H,
+            "target": t,
+            "gbps": required_bandwidth(model, m, t, latency_s, replicas),
+        }
+        for m in methods
+        for t in targets
+    ]
 
 
 def format_bandwidth_table(rows: list[dict[str, Any]], with_paper: bool = False) -> str:
@@ -258,8 +311,9 @@ def format_bandwidth_table(rows: list[dict[str, Any]], with_paper: bool = False)
         k = (r.get("table", ""), r["model"], r["method"], r["H"])
         if k not in keys:
             keys.append(k)
-    head = f"{'model':<6} {'method':<22} {'H':>4} " + " ".join(f"{f'{100 * t:g}%':>{16 if with_paper else 7}}"
-                                                              for t in targets)
+    head = f"{'model':<6} {'method':<22} {'H':>4} " + " ".join(
+        f"{f'{100 * t:g}%':>{16 if with_paper else 7}}" for t in targets
+    )
     lines = [head]
     for k in keys:
         cells = []
@@ -267,8 +321,7 @@ def format_bandwidth_table(rows: list[dict[str, Any]], with_paper: bool = False)
             r = next(r for r in rows if (r.get("table", ""), r["model"], r["method"], r["H"]) == k and r["target"] == t)
             ours = "-" if r["gbps"] is None else f"{r['gbps']:.1f}"
             cells.append(f"{ours:>7} ({r['paper_gbps']:>6.1f})" if with_paper else f"{ours:>7}")
-        lines.append(f"{k[1]:<6} {METHOD_NAMES[k[2]]:<22} {k[3]:>4} " + " ".join(f"{c:>16}" if with_paper else c
-                                                                                   for c in cells))
+        lines.append(
+            f"{k[1]:<6} {METHOD_NAMES[k[2]]:<22} {k[3]:>4} " + " ".join(f"{c:>16}" if with_paper else c for c in cells)
+        )
     return "\n".join(lines)
-
-

@@ -157,7 +157,9 @@ def begin_checkpoint(run_dir: Path, outer_step: int) -> Path:
             shutil.rmtree(tmp)
         tmp.mkdir()
     except OSError as e:
-        raise CheckpointError(f"checkpoint {root / f'step_{outer_step:06d}'}: cannot be written ({_reason(e)})") from None
+        raise CheckpointError(
+            f"checkpoint {root / f'step_{outer_step:06d}'}: cannot be written ({_reason(e)})"
+        ) from None
     return tmp
 
 
@@ -210,8 +212,11 @@ def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str
     """
     root = checkpoint_dir(run_dir)
     final = root / f"step_{outer_step:06d}"
-    named = {e["file"] for e in [state.get("outer"), *state.get("workers", {}).values()]
-             if isinstance(e, dict) and "file" in e}
+    named = {
+        e["file"]
+        for e in [state.get("outer"), *state.get("workers", {}).values()]
+        if isinstance(e, dict) and "file" in e
+    }
     for p in tmp.iterdir():  # the marker, files of replicas lost meanwhile, a killed writer's temporary
         if p.name not in named:
             p.unlink() if not p.is_dir() else shutil.rmtree(p, ignore_errors=True)
@@ -221,8 +226,9 @@ def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str
     except Exception as e:  # disk full, permissions, unpicklable state: older checkpoints stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
         free_mb = shutil.disk_usage(root).free / 2**20
-        raise CheckpointError(f"checkpoint {final}: cannot be written ({_reason(e)}; "
-                              f"{free_mb:,.0f} MiB free on that disk)") from None
+        raise CheckpointError(
+            f"checkpoint {final}: cannot be written ({_reason(e)}; {free_mb:,.0f} MiB free on that disk)"
+        ) from None
     if final.exists():  # re-saving the same step (after a resume): replace it whole
         old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
         os.rename(final, old)
@@ -262,8 +268,9 @@ def lock_dir(directory: Path, what: str):
         f.seek(0)
         holder = f.read().strip()
         f.close()
-        raise CheckpointError(f"{what}: in use by another ray-diloco process"
-                              + (f" (pid {holder})" if holder.isdigit() else "")) from None
+        raise CheckpointError(
+            f"{what}: in use by another ray-diloco process" + (f" (pid {holder})" if holder.isdigit() else "")
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
@@ -331,8 +338,10 @@ def global_params(state: dict[str, Any]) -> list[np.ndarray]:
     from ray_diloco.core.fragments import Fragment, ParamSpec
     from ray_diloco.core.shards import join_units
 
-    frags = [Fragment(i, tuple(ParamSpec(n, tuple(shape)) for n, shape in specs))
-             for i, specs in enumerate(state.get("fragments", []))]
+    frags = [
+        Fragment(i, tuple(ParamSpec(n, tuple(shape)) for n, shape in specs))
+        for i, specs in enumerate(state.get("fragments", []))
+    ]
     return join_units(state["outer"]["global"], frags, int(state.get("exchange_units") or 1))
 
 

@@ -30,8 +30,15 @@ from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 
 BUNDLED_CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
-_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-             ".parquet": "parquet", ".csv": "csv"}
+_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 
 
 @dataclass
@@ -76,8 +83,10 @@ def source_file(cfg: DataConfig) -> Path | None:
     if not path.is_file():
         raise DataError(f"data.path = {str(path)!r}: file not found")
     if path.suffix.lower() not in _BUILDERS:
-        raise DataError(f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
-                        f"(allowed: {', '.join(sorted(_BUILDERS))})")
+        raise DataError(
+            f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
+            f"(allowed: {', '.join(sorted(_BUILDERS))})"
+        )
     return path
 
 
@@ -122,11 +131,15 @@ def load_texts(cfg: DataConfig) -> list[str]:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         src = str(path) if path is not None else cfg.dataset
-        raise DataError(f"data: cannot load {src!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise DataError(
+            f"data: cannot load {src!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     for i, t in enumerate(texts):
         if t is not None and not isinstance(t, str):
-            raise DataError(f"data.text_field = {cfg.text_field!r}: values must be strings, "
-                            f"document {i} holds {type(t).__name__} {str(t)[:40]!r}")
+            raise DataError(
+                f"data.text_field = {cfg.text_field!r}: values must be strings, "
+                f"document {i} holds {type(t).__name__} {str(t)[:40]!r}"
+            )
     texts = [t for t in texts if t]
     if not texts:
         raise DataError(f"data: no text found in {str(path) if path is not None else cfg.dataset!r}")
@@ -215,8 +228,10 @@ def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
         try:
             enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
         except Exception as e:  # e.g. a char vocabulary built on another corpus
-            raise DataError(f"data: the tokenizer cannot encode this corpus ({str(e).splitlines()[0]}); "
-                            "was the run trained on other text?") from None
+            raise DataError(
+                f"data: the tokenizer cannot encode this corpus ({str(e).splitlines()[0]}); "
+                "was the run trained on other text?"
+            ) from None
         for ids in enc:
             parts.append(np.asarray(ids, dtype=np.int32))
             if eos is not None:
@@ -247,16 +262,21 @@ def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     """
     from ray_diloco.components.token_store import TokenStore
 
+    assert cfg.prepared is not None  # a prepared corpus: the caller checked
     store = TokenStore(cfg.prepared)
     tok = store.tokenizer()
     if tokenizer is not None and tokenizer.backend_tokenizer.to_str() != tok.backend_tokenizer.to_str():
-        raise DataError(f"data.prepared = {cfg.prepared!r}: its tokenizer differs from the run's (tokenizer/); "
-                        "a run reads the store it was trained on")
+        raise DataError(
+            f"data.prepared = {cfg.prepared!r}: its tokenizer differs from the run's (tokenizer/); "
+            "a run reads the store it was trained on"
+        )
     train, val = store.split("train"), store.split("val")
     need = cfg.seq_len + 1
     if len(train) < 2 * need or len(val) < need:
-        raise DataError(f"data.prepared = {cfg.prepared!r}: {len(train)} train / {len(val)} validation tokens; "
-                        f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}")
+        raise DataError(
+            f"data.prepared = {cfg.prepared!r}: {len(train)} train / {len(val)} validation tokens; "
+            f"data.seq_len = {cfg.seq_len} needs at least {2 * need} / {need}"
+        )
     return Corpus(train=train, val=val, vocab_size=store.vocab_size, tokenizer=tok, store_id=store.id)
 
 
@@ -337,13 +357,21 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str
     if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):
         tokenizer = build_tokenizer(cfg, [])
     if tokenizer is not None:
-        tok = [hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
-               getattr(tokenizer, "eos_token_id", None)]
+        tok = [
+            hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
+            getattr(tokenizer, "eos_token_id", None),
+        ]
     else:
         tok = [cfg.tokenizer, cfg.bpe_vocab_size if cfg.tokenizer == "bpe" else None]
-    recipe = {"version": CACHE_VERSION, "file": file_hash, "format": _BUILDERS[path.suffix.lower()],
-              "text_field": cfg.text_field,
-              "max_documents": cfg.max_documents, "val_fraction": cfg.val_fraction, "tokenizer": tok}
+    recipe = {
+        "version": CACHE_VERSION,
+        "file": file_hash,
+        "format": _BUILDERS[path.suffix.lower()],
+        "text_field": cfg.text_field,
+        "max_documents": cfg.max_documents,
+        "val_fraction": cfg.val_fraction,
+        "tokenizer": tok,
+    }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -374,7 +402,9 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     root = cache_root(cfg)
     entry = root / key
     if tokenizer is not None and not (entry / "manifest.json").is_file() and cfg.tokenizer in ("char", "bpe"):
-        recipe = root / cache_key(cfg, path, file_hash=file_hash)  # a resume: the entry its first run wrote, when the tokenizer is that one
+        recipe = root / cache_key(
+            cfg, path, file_hash=file_hash
+        )  # a resume: the entry its first run wrote, when the tokenizer is that one
         if (recipe / "manifest.json").is_file():
             try:
                 store = TokenStore(str(recipe), "data.cache_dir")
@@ -393,8 +423,11 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(root)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-        meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
-                "source": {"path": str(path), "cache_key": key}}
+        meta = {
+            "split": {"method": "tail", "val_fraction": cfg.val_fraction},
+            "order": "legacy",
+            "source": {"path": str(path), "cache_key": key},
+        }
         write_store(str(tmp), corpus.tokenizer, corpus.train, corpus.val, meta, vocab_size=corpus.vocab_size)
         try:
             os.rename(tmp, entry)
@@ -404,8 +437,11 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
                 raise
         return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
     except (OSError, DataError) as e:
-        print(f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
-              f"({(str(e).splitlines() or [type(e).__name__])[0]}); it stays in memory", file=sys.stderr)
+        print(
+            f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
+            f"({(str(e).splitlines() or [type(e).__name__])[0]}); it stays in memory",
+            file=sys.stderr,
+        )
         return corpus
     finally:
         if tmp is not None:
@@ -519,6 +555,7 @@ class ShardReader:
         """The ``batch`` ``(epoch, window)`` pairs from position ``(epoch, pos)`` (default: the
         current one), int64 ``[batch, 2]``, without moving the read position."""
         epoch, pos = (self.epoch, self.pos) if epoch is None else (epoch, pos)
+        assert pos is not None  # given with epoch
         out = np.empty((batch, 2), dtype=np.int64)
         k = 0
         while k < batch:
@@ -569,8 +606,7 @@ class ShardReader:
         """
         if state["shard"] != self.shard or state["num_shards"] != self.num_shards:
             raise DataError(
-                f"data position is for shard {state['shard']}/{state['num_shards']}, "
-                f"not {self.shard}/{self.num_shards}"
+                f"data position is for shard {state['shard']}/{state['num_shards']}, not {self.shard}/{self.num_shards}"
             )
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 

@@ -16,10 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.components.checkpoint import checkpoint_config, global_params, latest_checkpoint, list_checkpoints, load_checkpoint
+from ray_diloco.components.checkpoint import (
+    checkpoint_config,
+    global_params,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
 from ray_diloco.components.data import eval_split, load_corpus, load_saved_tokenizer, val_batch, val_windows
-from ray_diloco.errors import CheckpointError, RayDilocoError
 from ray_diloco.components.export import model_with_params
+from ray_diloco.errors import CheckpointError, RayDilocoError
 from ray_diloco.models.transformer import lm_loss, logits_of
 
 
@@ -32,8 +38,15 @@ def run_autocast(precision: str, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, windows: np.ndarray,
-                  batch: int, autocast=nullcontext, min_batches: int = 0) -> tuple[float, int]:
+def evaluate_loss(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    seq_len: int,
+    windows: np.ndarray,
+    batch: int,
+    autocast=nullcontext,
+    min_batches: int = 0,
+) -> tuple[float, int]:
     """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
     ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``). The sum
     stays on the model's device (fp64) and is read once at the end. ``min_batches``: forward
@@ -120,8 +133,10 @@ def eval_input(run_dir: str | Path, step: int | None = None, corpus=None) -> Eva
     # the run recorded the fingerprint of its corpus with the validation split cut as here
     corpus = dataclasses.replace(corpus, val=eval_split(corpus.val, cfg.run.eval_tokens))
     if state.get("corpus_fingerprint") not in (None, corpus.fingerprint):
-        raise CheckpointError(f"run {run_dir}: its corpus differs from {cfg.data.path or 'the bundled corpus'} "
-                              "(trained on a corpus passed from Python? pass corpus=...)")
+        raise CheckpointError(
+            f"run {run_dir}: its corpus differs from {cfg.data.path or 'the bundled corpus'} "
+            "(trained on a corpus passed from Python? pass corpus=...)"
+        )
     return EvalInput(state, cfg, np.asarray(corpus.val), corpus.vocab_size, step, path)
 
 
@@ -140,13 +155,21 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, model_fn=None, co
     """
     e = eval_input(run_dir, step, corpus)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    total, count = evaluate_checkpoint(e.state, e.vocab_size, e.val, np.arange(val_windows(e.val, e.cfg.data.seq_len)),
-                                       device, model_fn, Path(run_dir))
+    total, count = evaluate_checkpoint(
+        e.state, e.vocab_size, e.val, np.arange(val_windows(e.val, e.cfg.data.seq_len)), device, model_fn, Path(run_dir)
+    )
     return total / count, e.step, e.path
 
 
-def evaluate_checkpoint(state: dict, vocab_size: int, tokens: np.ndarray, windows: np.ndarray, device: torch.device,
-                        model_fn=None, run_dir: Path | None = None) -> tuple[float, int]:
+def evaluate_checkpoint(
+    state: dict,
+    vocab_size: int,
+    tokens: np.ndarray,
+    windows: np.ndarray,
+    device: torch.device,
+    model_fn=None,
+    run_dir: Path | None = None,
+) -> tuple[float, int]:
     """Summed loss (nats) and token count of a checkpoint's global parameters over validation
     ``windows`` (int ``[k]`` of ``tokens``), the model built on ``device`` and evaluated as the run
     evaluates (its ``seq_len``, ``eval_batch``, ``run.precision``); the model is freed after.
@@ -155,16 +178,24 @@ def evaluate_checkpoint(state: dict, vocab_size: int, tokens: np.ndarray, window
         CheckpointError: as :func:`model_from_checkpoint`."""
     cfg = checkpoint_config(state)
     model = model_from_checkpoint(state, vocab_size, model_fn, run_dir).to(device)
-    out = evaluate_loss(model, tokens, cfg.data.seq_len, windows, cfg.run.eval_batch,
-                        run_autocast(cfg.run.precision, device))
+    out = evaluate_loss(
+        model, tokens, cfg.data.seq_len, windows, cfg.run.eval_batch, run_autocast(cfg.run.precision, device)
+    )
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int = 50, seed: int = 0, model_fn=None) -> str:
+def generate(
+    run_dir: str | Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    model_fn=None,
+) -> str:
     """Sample a continuation of ``prompt`` from the run's export (``final/``) or newest checkpoint.
 
     Raises:
@@ -176,14 +207,16 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
     run_dir = Path(run_dir)
     tok = _tokenizer(run_dir)
     final = run_dir / "final"
+    model: torch.nn.Module
     if (final / "config.json").is_file() and model_fn is None:
         from transformers import AutoModelForCausalLM
 
         try:
             model = AutoModelForCausalLM.from_pretrained(str(final))
         except Exception as e:
-            raise CheckpointError(f"exported model {final}: cannot be loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]})") from None
+            raise CheckpointError(
+                f"exported model {final}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
     else:
         state = load_checkpoint(latest_checkpoint(run_dir)[1], lazy=True)
         model = model_from_checkpoint(state, len(tok), model_fn, run_dir)
@@ -193,8 +226,10 @@ def generate(run_dir: str | Path, prompt: str, max_new_tokens: int = 200, temper
     except Exception:
         known = set(tok.get_vocab())
         unknown = sorted({c for c in prompt if c not in known})
-        raise RayDilocoError(f"--prompt {prompt[:40]!r}: the run's tokenizer cannot encode it "
-                             f"(unknown characters: {''.join(unknown)[:40]!r})") from None
+        raise RayDilocoError(
+            f"--prompt {prompt[:40]!r}: the run's tokenizer cannot encode it "
+            f"(unknown characters: {''.join(unknown)[:40]!r})"
+        ) from None
     if ids.numel() == 0:
         ids = torch.zeros((1, 1), dtype=torch.long)
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from ray_diloco.config import Config
-from ray_diloco.errors import CheckpointError
 from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
 from ray_diloco.core.wire import as_tensor
+from ray_diloco.errors import CheckpointError
 from ray_diloco.models.transformer import ModelFn, resolve_model_shape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def check_sizes(fragments: list, params: list[np.ndarray] | list[int]) -> None:
@@ -29,8 +33,9 @@ def check_sizes(fragments: list, params: list[np.ndarray] | list[int]) -> None:
         )
 
 
-def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
-                      model_fn: ModelFn | None = None) -> torch.nn.Module:
+def model_with_params(
+    cfg: Config, params: list[np.ndarray], vocab_size: int, model_fn: ModelFn | None = None
+) -> torch.nn.Module:
     """A fresh model (fp32, CPU) holding ``params``: one fp32 array ``[numel_p]`` per fragment.
 
     Raises:
@@ -45,7 +50,7 @@ def model_with_params(cfg: Config, params: list[np.ndarray], vocab_size: int,
     except ValueError as e:
         raise CheckpointError(f"the model built from the run's config cannot hold these parameters: {e}") from None
     check_sizes(frags, params)
-    named = dict(model.named_parameters())
+    named: dict[str, torch.Tensor] = dict(model.named_parameters())
     for f, arr in zip(frags, params):
         unflatten_into(named, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
     return model
@@ -63,8 +68,9 @@ def for_inference(config: Any, tokenizer: Any) -> None:
     config.use_cache = True
 
 
-def write_hf_config(cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any = None,
-                    dtype: torch.dtype = torch.float32) -> None:
+def write_hf_config(
+    cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any = None, dtype: torch.dtype = torch.float32
+) -> None:
     """``config.json`` and ``generation_config.json`` of a preset model (its transformers class and
     shape, special tokens from ``tokenizer``, ``dtype`` the weights' dtype) into ``out_dir``,
     without building the model."""
@@ -81,8 +87,13 @@ def write_hf_config(cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any 
     GenerationConfig.from_model_config(config).save_pretrained(str(out_dir))
 
 
-def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray] | Callable[[int, int, int], np.ndarray],
-                     out_dir: Path, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 << 30) -> list[str]:
+def write_hf_weights(
+    fragments: list[Fragment],
+    params: list[np.ndarray] | Callable[[int, int, int], np.ndarray],
+    out_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 << 30,
+) -> list[str]:
     """The parameters as safetensors named as in the model, in ``dtype``, in shards of at most
     ``max_shard_bytes`` (whole parameters in exchange order; ``model-00001-of-0000N.safetensors``
     and ``model.safetensors.index.json``, as ``save_pretrained`` writes them; one shard:
@@ -137,13 +148,21 @@ def write_hf_weights(fragments: list[Fragment], params: list[np.ndarray] | Calla
         del tensors
     if n > 1:
         (out_dir / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
         names.append("model.safetensors.index.json")
     return names
 
 
-def write_pretrained(cfg: Config, fragments: list[Fragment], params: list[np.ndarray], vocab_size: int,
-                     out_dir: Path, tokenizer: Any = None, dtype: torch.dtype = torch.float32) -> None:
+def write_pretrained(
+    cfg: Config,
+    fragments: list[Fragment],
+    params: list[np.ndarray],
+    vocab_size: int,
+    out_dir: Path,
+    tokenizer: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """A transformers checkpoint of a preset model without building the model (nor importing its
     modelling code, nor initialising its weights): :func:`write_hf_config` and
     :func:`write_hf_weights`."""
@@ -167,10 +186,16 @@ def export_dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if (cfg.run.export_precision or cfg.run.precision) == "bf16" else torch.float32
 
 
-def export_model(cfg: Config, params: list[np.ndarray] | Callable[[], list[np.ndarray]], vocab_size: int,
-                 tokenizer: Any, out_dir: Path, model_fn: ModelFn | None = None,
-                 fragments: list[Fragment] | None = None,
-                 write_weights: Callable[[Path, torch.dtype], bool] | None = None) -> Path:
+def export_model(
+    cfg: Config,
+    params: list[np.ndarray] | Callable[[], list[np.ndarray]],
+    vocab_size: int,
+    tokenizer: Any,
+    out_dir: Path,
+    model_fn: ModelFn | None = None,
+    fragments: list[Fragment] | None = None,
+    write_weights: Callable[[Path, torch.dtype], bool] | None = None,
+) -> Path:
     """Write the global model atomically (a ``.tmp`` directory renamed): a transformers checkpoint
     (+ tokenizer) for the presets, so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it
     (when the run's ``fragments`` are given: :func:`write_hf_config` here and the weights in
@@ -196,13 +221,14 @@ def export_model(cfg: Config, params: list[np.ndarray] | Callable[[], list[np.nd
     else:
         model = model_with_params(cfg, params() if callable(params) else params, vocab_size, model_fn)
         if hasattr(model, "save_pretrained"):
-            if getattr(model, "config", None) is not None and tokenizer is not None:
-                for_inference(model.config, tokenizer)
-                if getattr(model, "generation_config", None) is not None:
+            hf = cast("PreTrainedModel", model)  # a transformers model
+            if getattr(hf, "config", None) is not None and tokenizer is not None:
+                for_inference(hf.config, tokenizer)
+                if getattr(hf, "generation_config", None) is not None:
                     from transformers import GenerationConfig
 
-                    model.generation_config = GenerationConfig.from_model_config(model.config)
-            model.save_pretrained(str(tmp))
+                    hf.generation_config = GenerationConfig.from_model_config(hf.config)
+            hf.save_pretrained(str(tmp))
             if tokenizer is not None:
                 _save_tokenizer(tokenizer, tmp, context)
         else:

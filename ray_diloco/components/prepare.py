@@ -36,8 +36,7 @@ import numpy as np
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
 
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-           ".parquet": "parquet"}
+FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 #: Text read to build a ``char`` vocabulary or train a ``bpe`` tokenizer (a bounded sample), bytes.
 SAMPLE_BYTES = 32 << 20
 #: Cap of Ray Data's object store use during a prepare, bytes.
@@ -108,31 +107,41 @@ def resolve_sources(sources: list[str]) -> tuple[Any, list[str], list[int], str]
     fs = None
     for src in sources:
         loc = Location(src, "SOURCE") if "://" in src else None
-        sfs, path = (loc.fs, loc.root) if loc is not None else (pafs.LocalFileSystem(), str(Path(src).expanduser().absolute()))
+        sfs, path = (
+            (loc.fs, loc.root) if loc is not None else (pafs.LocalFileSystem(), str(Path(src).expanduser().absolute()))
+        )
         fs = fs or sfs
         if any(ch in path for ch in "*?["):
             base = path[: min(path.index(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0] or "/"
-            infos = [i for i in sfs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-                     if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)]
+            infos = [
+                i
+                for i in sfs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+                if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)
+            ]
         else:
             info = sfs.get_file_info(path)
             if info.type == pafs.FileType.Directory:
-                infos = [i for i in sfs.get_file_info(pafs.FileSelector(path, recursive=True))
-                         if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith((".", "_"))]
+                infos = [
+                    i
+                    for i in sfs.get_file_info(pafs.FileSelector(path, recursive=True))
+                    if i.type == pafs.FileType.File and not posixpath.basename(i.path).startswith((".", "_"))
+                ]
             else:
                 infos = [info] if info.type == pafs.FileType.File else []
         if not infos:
             raise DataError(f"SOURCE {src!r}: no such file, directory or matching file")
         files.update({i.path: i.size for i in infos})
-    kinds = {}
+    kinds: dict[str, str] = {}
     for p in files:
         kind = FORMATS.get(posixpath.splitext(p)[1].lower())
         if kind is None:
             raise DataError(f"SOURCE file {p!r}: unsupported type (allowed: {', '.join(sorted(FORMATS))})")
         kinds.setdefault(kind, p)
     if len(kinds) > 1:
-        raise DataError(f"SOURCE: mixes file types ({', '.join(f'{k}: {v}' for k, v in kinds.items())}); "
-                        "prepare each type into its own store")
+        raise DataError(
+            f"SOURCE: mixes file types ({', '.join(f'{k}: {v}' for k, v in kinds.items())}); "
+            "prepare each type into its own store"
+        )
     paths = sorted(p for p, size in files.items() if size > 0)
     if not paths:
         raise DataError(f"SOURCE {', '.join(sources)}: every file is empty")
@@ -146,11 +155,17 @@ def _read(fs: Any, paths: list[str], kind: str, opts: PrepareOptions):
 
     readers = min(len(paths), max(2, int(ray.cluster_resources().get("CPU", 2)) // 8 * READ_TASKS_PER_8_CPUS))
     if kind == "text":
-        return ray.data.read_text(paths, filesystem=fs, drop_empty_lines=False, include_paths=True,
-                                  num_cpus=READ_CPUS, concurrency=readers)
+        return ray.data.read_text(
+            paths, filesystem=fs, drop_empty_lines=False, include_paths=True, num_cpus=READ_CPUS, concurrency=readers
+        )
     read = ray.data.read_json if kind == "json" else ray.data.read_parquet
-    return read(paths, filesystem=fs, include_paths=True, num_cpus=READ_CPUS,  # JSON: pyarrow's newline-delimited reader
-                concurrency=readers)
+    return read(
+        paths,
+        filesystem=fs,
+        include_paths=True,
+        num_cpus=READ_CPUS,  # JSON: pyarrow's newline-delimited reader
+        concurrency=readers,
+    )
 
 
 def _hub(opts: PrepareOptions, skip_rows: int):
@@ -163,10 +178,13 @@ def _hub(opts: PrepareOptions, skip_rows: int):
         hf = datasets.load_dataset(opts.dataset, opts.dataset_config, split=opts.split, streaming=True)
         cols = hf.column_names or list(next(iter(hf)).keys())
     except Exception as e:  # noqa: BLE001 - datasets raises many types (FileNotFoundError, ConnectionError, ...)
-        raise DataError(f"--dataset {opts.dataset!r}: cannot load ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DataError(
+            f"--dataset {opts.dataset!r}: cannot load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if opts.text_field not in cols:
-        raise DataError(f"--text-field {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})")
+        raise DataError(
+            f"--text-field {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})"
+        )
     hf = hf.select_columns([opts.text_field])
     if skip_rows:
         hf = hf.skip(skip_rows)
@@ -193,8 +211,10 @@ def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE
     if first is None:
         raise DataError(f"{what}: no rows")
     if column not in first:
-        raise DataError(f"--text-field {column!r}: not a column of the source (columns: "
-                        f"{', '.join(k for k in first if k != 'path')})")
+        raise DataError(
+            f"--text-field {column!r}: not a column of the source (columns: "
+            f"{', '.join(k for k in first if k != 'path')})"
+        )
     for batch in itertools.chain([first], batches):
         for t in batch[column]:
             if isinstance(t, str) and t:
@@ -231,11 +251,13 @@ def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
             raise DataError("prepare: no text in the source to train the BPE tokenizer on")
         return bpe_tokenizer(sample, bpe_vocab_size)
     if name.endswith(".json") and Path(name).expanduser().is_file():
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(name).expanduser()))
-        eos = next((t for t in (EOS, "</s>", "<eos>") if tok.convert_tokens_to_ids(t) not in (None, tok.unk_token_id)), None)
+        fast = PreTrainedTokenizerFast(tokenizer_file=str(Path(name).expanduser()))
+        eos = next(
+            (t for t in (EOS, "</s>", "<eos>") if fast.convert_tokens_to_ids(t) not in (None, fast.unk_token_id)), None
+        )
         if eos is not None:
-            tok.eos_token = eos
-        return tok
+            fast.eos_token = eos
+        return fast
     from ray_diloco.components.data import build_tokenizer
 
     return build_tokenizer(DataConfig(tokenizer=name), [])
@@ -250,8 +272,9 @@ class Tokenize:
     ``text_bytes`` and ``paths`` (a JSON list of ``[path, rows]`` runs).
     """
 
-    def __init__(self, tokenizer_json: str, eos_id: int | None, column: str, lines: bool, val_fraction: float,
-                 dtype: str):
+    def __init__(
+        self, tokenizer_json: str, eos_id: int | None, column: str, lines: bool, val_fraction: float, dtype: str
+    ):
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
@@ -259,12 +282,14 @@ class Tokenize:
         self.threshold = int(val_fraction * 2**32)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        texts = batch[self.column]
-        for i, t in enumerate(texts):
+        values = batch[self.column]
+        for t in values:
             if t is not None and not isinstance(t, str):
-                raise DataError(f"--text-field {self.column!r}: values must be strings, a row holds "
-                                f"{type(t).__name__} {str(t)[:40]!r}")
-        texts = [(t or "") + ("\n" if self.lines else "") for t in texts]
+                raise DataError(
+                    f"--text-field {self.column!r}: values must be strings, a row holds "
+                    f"{type(t).__name__} {str(t)[:40]!r}"
+                )
+        texts = [(t or "") + ("\n" if self.lines else "") for t in values]
         enc = self.tok.encode_batch_fast(texts, add_special_tokens=False)
         eos = [self.eos] if (self.eos is not None and not self.lines) else []
         ids = [(e.ids + eos if eos else e.ids) if t else [] for e, t in zip(enc, texts)]
@@ -275,16 +300,19 @@ class Tokenize:
         mask = np.repeat(val, lengths)
         paths = batch.get("path")
         runs: list[list[Any]] = []
-        for p in (paths if paths is not None else []):
+        for p in paths if paths is not None else []:
             if runs and runs[-1][0] == p:
                 runs[-1][1] += 1
             else:
                 runs.append([str(p), 1])
-        return {"train": np.array([flat[~mask].tobytes()], dtype=object),
-                "val": np.array([flat[mask].tobytes()], dtype=object),
-                "lengths": np.array([np.where(val, -lengths, lengths).tobytes()], dtype=object),
-                "rows": np.array([len(texts)]), "text_bytes": np.array([sum(len(t) for t in texts)]),
-                "paths": np.array([json.dumps(runs)], dtype=object)}
+        return {
+            "train": np.array([flat[~mask].tobytes()], dtype=object),
+            "val": np.array([flat[mask].tobytes()], dtype=object),
+            "lengths": np.array([np.where(val, -lengths, lengths).tobytes()], dtype=object),
+            "rows": np.array([len(texts)]),
+            "text_bytes": np.array([sum(len(t) for t in texts)]),
+            "paths": np.array([json.dumps(runs)], dtype=object),
+        }
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,14 +333,22 @@ def _check_options(o: PrepareOptions) -> None:
         problems.append("prepare: give SOURCE files or --dataset NAME (one of them)")
     if not o.out:
         problems.append("--out: required (a directory or a URI such as s3://bucket/store)")
-    elif "://" not in o.out and (blocker := next((q for q in [Path(o.out).expanduser(), *Path(o.out).expanduser().parents]
-                                                  if q.exists()), None)) is not None and not blocker.is_dir():
+    elif (
+        "://" not in o.out
+        and (
+            blocker := next(
+                (q for q in [Path(o.out).expanduser(), *Path(o.out).expanduser().parents] if q.exists()), None
+            )
+        )
+        is not None
+        and not blocker.is_dir()
+    ):
         problems.append(f"--out = {o.out!r}: {blocker} is a file, not a directory (a store is a directory)")
     if problems:
         raise DataError("; ".join(problems))
 
 
-def _data_error(e: BaseException) -> DataError | None:
+def _data_error(e: BaseException | None) -> DataError | None:
     """The DataError a Ray task raised, found in the chain of ``e`` (Ray wraps it)."""
     seen = 0
     while e is not None and seen < 10:
@@ -329,7 +365,12 @@ def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
     that many bytes (the tokenizer's sample of that much text: Ray Data would otherwise read ahead
     into every file, up to its object-store cap, for a sample it then drops)."""
     if opts.dataset:
-        desc = {"dataset": opts.dataset, "config": opts.dataset_config, "split": opts.split, "lines": False}
+        desc: dict[str, Any] = {
+            "dataset": opts.dataset,
+            "config": opts.dataset_config,
+            "split": opts.split,
+            "lines": False,
+        }
 
         def hub(cursor: dict[str, Any], sample_bytes: int | None = None):
             return _hub(opts, cursor.get("rows", 0))
@@ -343,7 +384,7 @@ def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
         return int(np.searchsorted(np.cumsum(sizes), 2 * sample_bytes)) + 1
 
     def make(cursor: dict[str, Any], sample_bytes: int | None = None):
-        todo = paths[: first(sample_bytes)] if sample_bytes is not None else paths[cursor.get("files_done", 0):]
+        todo = paths[: first(sample_bytes)] if sample_bytes is not None else paths[cursor.get("files_done", 0) :]
         return _read(fs, todo, kind, opts)
 
     make.whole = lambda sample_bytes: first(sample_bytes) >= len(paths)  # type: ignore[attr-defined]
@@ -362,9 +403,14 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
     from ray_diloco.components.data import load_saved_tokenizer
     from ray_diloco.components.token_store import TOKENIZER_DIR
 
-    if writer.loc.read_bytes(f"{TOKENIZER_DIR}/tokenizer.json") is not None and writer.loc.read_bytes("prepare-state.npz"):
-        local = writer.loc.get_dir(TOKENIZER_DIR, ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
-                                   Path(__import__("tempfile").mkdtemp(prefix="ray-diloco-tok-")))
+    if writer.loc.read_bytes(f"{TOKENIZER_DIR}/tokenizer.json") is not None and writer.loc.read_bytes(
+        "prepare-state.npz"
+    ):
+        local = writer.loc.get_dir(
+            TOKENIZER_DIR,
+            ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"],
+            Path(__import__("tempfile").mkdtemp(prefix="ray-diloco-tok-")),
+        )
         return load_saved_tokenizer(local)
     what, limit = f"SOURCE {opts.dataset or ', '.join(opts.sources)}", _sample_bytes(opts)
     try:
@@ -385,9 +431,9 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
 
 
 def _init_ray(address: str | None) -> bool:
-    import ray
-
     import logging
+
+    import ray
 
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     import os
@@ -396,12 +442,18 @@ def _init_ray(address: str | None) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=address, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30))
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            logging_level="ERROR",  # type: ignore[arg-type]  # annotated int; Ray's own default is a level name
+            log_to_driver=False,
+            object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30),
+        )
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(f"--address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                           ) from None
+        raise ClusterError(
+            f"--address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     return True
 
 
@@ -420,8 +472,9 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
     from ray_diloco.components.token_store import Location
 
     if Location(opts.out, "--out").read_bytes("manifest.json") is not None:
-        raise DataError(f"--out {opts.out!r}: already holds a prepared store (manifest.json); "
-                        "choose another --out or delete it")
+        raise DataError(
+            f"--out {opts.out!r}: already holds a prepared store (manifest.json); choose another --out or delete it"
+        )
     make, desc = _source(opts)  # a missing or empty source fails before Ray starts
     started = _init_ray(address)
     try:
@@ -429,7 +482,8 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
         ctx.execution_options.preserve_order = True  # shards in source order: a rerun continues them
         ctx.enable_progress_bars = False
         ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
-            object_store_memory=OBJECT_STORE_BYTES)
+            object_store_memory=OBJECT_STORE_BYTES
+        )
         return _run(opts, make, desc)
     except (ray.exceptions.RayError, RuntimeError) as e:
         err = _data_error(e)
@@ -450,27 +504,50 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
     from ray_diloco.components.token_store import dtype_for
 
     tok_json = tok.backend_tokenizer.to_str()
-    key = {**desc, **{k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "shard_tokens")},
-           "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest()}
+    key = {
+        **desc,
+        **{k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "shard_tokens")},
+        "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest(),
+    }
     writer.fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     writer.vocab_size, writer.dtype = len(tok), dtype_for(len(tok))
     cursor = writer.resume() or {}
     if cursor:
-        print(f"prepare: continuing {opts.out}: {sum(len(v) for v in writer.shards.values())} finished shards kept",
-              file=sys.stderr)
+        print(
+            f"prepare: continuing {opts.out}: {sum(len(v) for v in writer.shards.values())} finished shards kept",
+            file=sys.stderr,
+        )
     actors = opts.actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
     ds = make(cursor).map_batches(
-        Tokenize, batch_size=opts.batch_rows, batch_format="numpy", concurrency=actors, num_cpus=ACTOR_CPUS,
-        fn_constructor_kwargs={"tokenizer_json": tok_json, "eos_id": tok.eos_token_id, "column": column,
-                               "lines": desc["lines"], "val_fraction": opts.val_fraction, "dtype": writer.dtype.str})
+        Tokenize,
+        batch_size=opts.batch_rows,
+        batch_format="numpy",
+        concurrency=actors,
+        num_cpus=ACTOR_CPUS,
+        fn_constructor_kwargs={
+            "tokenizer_json": tok_json,
+            "eos_id": tok.eos_token_id,
+            "column": column,
+            "lines": desc["lines"],
+            "val_fraction": opts.val_fraction,
+            "dtype": writer.dtype.str,
+        },
+    )
     _consume(ds, writer, desc, cursor, opts)
-    meta = {"split": {"method": "hash", "val_fraction": opts.val_fraction}, "order": "feistel",
-            "source": {k: v for k, v in desc.items() if k not in ("files", "bytes")} | {"files": len(desc.get("files", []))},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = {
+        "split": {"method": "hash", "val_fraction": opts.val_fraction},
+        "order": "feistel",
+        "source": {k: v for k, v in desc.items() if k not in ("files", "bytes")}
+        | {"files": len(desc.get("files", []))},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     manifest = writer.finish(tok, meta)
-    print(f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
-          f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "
-          f"{sum(len(v) for v in manifest['shards'].values())} shards", file=sys.stderr)
+    print(
+        f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
+        f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "
+        f"{sum(len(v) for v in manifest['shards'].values())} shards",
+        file=sys.stderr,
+    )
     return manifest
 
 
@@ -483,8 +560,16 @@ def _consume(ds: Any, writer: StoreWriter, desc: dict[str, Any], cursor: dict[st
     cur = dict(cursor) or ({"files_done": 0, "rows_after": 0} if files else {"rows": 0})
     skip = cur.get("rows_after", 0) if files else 0  # rows of a half-done file: tokenised again, dropped
     done_bytes = sum(desc["bytes"][: cur.get("files_done", 0)]) if files else 0
-    bar = tqdm(total=sum(desc["bytes"]) if files else None, initial=done_bytes, unit="B", unit_scale=True,
-               desc="prepare", disable=not opts.progress, file=sys.stderr, smoothing=0.1)
+    bar = tqdm(
+        total=sum(desc["bytes"]) if files else None,
+        initial=done_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        disable=not opts.progress,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
     tokens = sum(e["tokens"] for s in writer.shards.values() for e in s) + sum(writer.buffered.values())
     for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
         for i in range(len(batch["rows"])):
@@ -494,7 +579,7 @@ def _consume(ds: Any, writer: StoreWriter, desc: dict[str, Any], cursor: dict[st
             if skip:
                 k = min(skip, len(lengths))
                 head = lengths[:k]
-                train, val = train[int(head[head > 0].sum()):], val[int(-head[head < 0].sum()):]
+                train, val = train[int(head[head > 0].sum()) :], val[int(-head[head < 0].sum()) :]
                 lengths, skip = lengths[k:], skip - k
             if files:
                 for path, n in json.loads(batch["paths"][i]):

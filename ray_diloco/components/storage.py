@@ -24,7 +24,7 @@ import os
 import posixpath
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ray_diloco.errors import CheckpointError, ConfigError
 
@@ -34,7 +34,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "wandb_id.txt", "tokenizer")
 FINAL_FILES = ("summary.json", "final")
 
 
-def is_uri(path: str | None) -> bool:
+def is_uri(path: str | None) -> TypeGuard[str]:
     """True for ``scheme://...`` (a filesystem other than a plain local path)."""
     return bool(path) and "://" in str(path)
 
@@ -58,8 +58,12 @@ def filesystem(uri: str) -> tuple[Any, str]:
 
         fs, path = fsspec.core.url_to_fs(uri)
     except (ImportError, ValueError) as e:
-        raise ConfigError([f"run.storage_path = {uri!r}: no filesystem for this URI ({str(e).splitlines()[0]}); "
-                           "use a local path, s3://, gs://, file:// or a scheme fsspec knows"]) from None
+        raise ConfigError(
+            [
+                f"run.storage_path = {uri!r}: no filesystem for this URI ({str(e).splitlines()[0]}); "
+                "use a local path, s3://, gs://, file:// or a scheme fsspec knows"
+            ]
+        ) from None
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
@@ -179,14 +183,16 @@ class Mirror:
                     if self.fs.get_file_info(f"{remote}/{STATE_FILE}").type == pafs.FileType.File:
                         self.fs.delete_file(f"{remote}/{STATE_FILE}")  # re-uploaded: not complete until the end
                     done = self._by_writers.pop(name, set())
-                    for f in sorted((f for f in p.iterdir() if not f.name.startswith(".") and f.name not in done),
-                                    key=lambda f: f.name == STATE_FILE):
+                    for f in sorted(
+                        (f for f in p.iterdir() if not f.name.startswith(".") and f.name not in done),
+                        key=lambda f: f.name == STATE_FILE,
+                    ):
                         _put(self.fs, f, f"{remote}/{f.name}")
                     self._uploaded.add(name)
             stored = [i for i in _listing(self.fs, f"{self.path}/checkpoints") if i.base_name.startswith("step_")]
             # with keep: the newest `keep` of stored and local (a resume elsewhere fetched only the
             # newest: the older stored ones stay); without: what the run directory still holds
-            kept = set(sorted(set(local) | {i.base_name for i in stored})[-self.keep:]) if self.keep else set(local)
+            kept = set(sorted(set(local) | {i.base_name for i in stored})[-self.keep :]) if self.keep else set(local)
             for info in stored:
                 if info.base_name not in kept:
                     self.fs.delete_dir(info.path)
@@ -195,8 +201,11 @@ class Mirror:
                 _put(self.fs, self.run_dir / name, f"{self.path}/{name}")
             return True
         except Exception as e:  # network, permissions, quota: keep training; the local copy is whole
-            print(f"warning: could not mirror the run to {self.uri} ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr)
+            print(
+                f"warning: could not mirror the run to {self.uri} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})",
+                file=sys.stderr,
+            )
             return False
 
 
@@ -218,9 +227,11 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
     try:
         if fs.get_file_info(f"{path}/config.yaml").type != pafs.FileType.File:
             raise CheckpointError(f"--resume {uri}: not a run directory (no config.yaml there)")
-        steps = sorted(i.base_name for i in _listing(fs, f"{path}/checkpoints")
-                       if i.base_name.startswith("step_")
-                       and fs.get_file_info(f"{i.path}/{STATE_FILE}").type == pafs.FileType.File)
+        steps = sorted(
+            i.base_name
+            for i in _listing(fs, f"{path}/checkpoints")
+            if i.base_name.startswith("step_") and fs.get_file_info(f"{i.path}/{STATE_FILE}").type == pafs.FileType.File
+        )
         if not steps:
             raise CheckpointError(f"--resume {uri}: no complete checkpoint there")
         newest = steps[-1]
@@ -231,7 +242,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
             if info.type == pafs.FileType.Directory:
                 for sub in _listing(fs, f"{path}/{item}", recursive=True):
                     if sub.type == pafs.FileType.File:
-                        _get_file(fs, sub.path, local / item / sub.path[len(f"{path}/{item}/"):])
+                        _get_file(fs, sub.path, local / item / sub.path[len(f"{path}/{item}/") :])
             elif info.type == pafs.FileType.File:
                 _get_file(fs, f"{path}/{item}", local / item)
         if newest not in have:
@@ -245,8 +256,9 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"--resume {uri}: cannot read it ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(
+            f"--resume {uri}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return local
 
 
@@ -286,8 +298,11 @@ def write_bytes(uri_or_path: str, data: bytes) -> None:
         except OSError as e:  # name the file asked for, not the temporary one, and leave nothing behind
             if tmp.parent.is_dir():
                 tmp.unlink(missing_ok=True)
-            why = "a parent is not a directory" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
-                (e.strerror or str(e))
+            why = (
+                "a parent is not a directory"
+                if isinstance(e, (FileExistsError, NotADirectoryError))
+                else (e.strerror or str(e))
+            )
             raise OSError(e.errno, why, str(p)) from None
         return
     fs, path = filesystem(uri_or_path)

@@ -101,8 +101,10 @@ class Location:
         except OSError as e:
             if self.remote and ("not exist" in str(e) or "NoSuchKey" in str(e) or "NoSuchBucket" in str(e)):
                 return None
-            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise DataError(
+                f"{self.field} = {self.where!r}: cannot read {name} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
         """Write ``name`` atomically (temporary name then rename; one object put when remote).
@@ -127,8 +129,10 @@ class Location:
                 raise
         except OSError as e:
             reason = "disk full" if getattr(e, "errno", None) == 28 else f"{type(e).__name__}: {str(e).splitlines()[0]}"
-            raise DataError(f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
-                            "kept and a rerun continues") from None
+            raise DataError(
+                f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
+                "kept and a rerun continues"
+            ) from None
 
     def delete(self, name: str) -> None:
         """Remove ``name`` if it exists."""
@@ -197,8 +201,9 @@ class StoreWriter:
         self.shards, self.documents, self.cursor = state["shards"], state["documents"], state["cursor"]
         return self.cursor
 
-    def add(self, train_ids: np.ndarray, val_ids: np.ndarray, cursor: dict[str, Any],
-            documents: tuple[int, int] = (0, 0)) -> None:
+    def add(
+        self, train_ids: np.ndarray, val_ids: np.ndarray, cursor: dict[str, Any], documents: tuple[int, int] = (0, 0)
+    ) -> None:
         """Append one batch's tokens (``documents`` = documents in each split); writes every
         shard that fills up, then the state."""
         flushed = False
@@ -220,17 +225,24 @@ class StoreWriter:
         data = np.concatenate(self.buf[split]) if len(self.buf[split]) != 1 else self.buf[split][0]
         shard, rest = data[:n], data[n:]
         name = f"{split}-{len(self.shards[split]):05d}.bin"
-        raw = memoryview(np.ascontiguousarray(shard)).cast("B")
+        raw = np.ascontiguousarray(shard).data.cast("B")
         self.loc.write_bytes(name, raw)
-        self.shards[split].append({"file": name, "tokens": int(n), "sha256": hashlib.sha256(raw).hexdigest(),
-                                   "crc32": chunk_crcs(raw)})
+        self.shards[split].append(
+            {"file": name, "tokens": int(n), "sha256": hashlib.sha256(raw).hexdigest(), "crc32": chunk_crcs(raw)}
+        )
         self.buf[split], self.buffered[split] = ([rest] if len(rest) else []), len(rest)
 
     def _save_state(self) -> None:
-        state = {"fingerprint": self.fingerprint, "dtype": self.dtype.str, "shards": self.shards,
-                 "documents": self.documents, "cursor": self.cursor}
-        carry = {f"carry_{s}": (np.concatenate(self.buf[s]) if self.buf[s] else np.zeros(0, self.dtype))
-                 for s in SPLITS}
+        state = {
+            "fingerprint": self.fingerprint,
+            "dtype": self.dtype.str,
+            "shards": self.shards,
+            "documents": self.documents,
+            "cursor": self.cursor,
+        }
+        carry: dict[str, Any] = {
+            f"carry_{s}": (np.concatenate(self.buf[s]) if self.buf[s] else np.zeros(0, self.dtype)) for s in SPLITS
+        }
         out = io.BytesIO()
         np.savez(out, state=np.frombuffer(json.dumps(state).encode(), dtype=np.uint8), **carry)
         self.loc.write_bytes(STATE, out.getbuffer())
@@ -252,13 +264,18 @@ class StoreWriter:
             tok_sha = hashlib.sha256((Path(tmp) / "tokenizer.json").read_bytes()).hexdigest()
             self.loc.put_dir(Path(tmp), TOKENIZER_DIR)
         manifest = {
-            "format": FORMAT, "version": VERSION, "dtype": self.dtype.name, "vocab_size": int(self.vocab_size),
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": int(self.vocab_size),
             "eos_id": getattr(tokenizer, "eos_token_id", None),
             "tokenizer": {"dir": TOKENIZER_DIR, "sha256": tok_sha},
-            "shard_tokens": self.shard_tokens, "chunk_bytes": CHUNK_BYTES,
+            "shard_tokens": self.shard_tokens,
+            "chunk_bytes": CHUNK_BYTES,
             "documents": self.documents,
             "tokens": {s: sum(e["tokens"] for e in self.shards[s]) for s in SPLITS},
-            "shards": self.shards, **meta,
+            "shards": self.shards,
+            **meta,
         }
         self.loc.write_bytes(MANIFEST, json.dumps(manifest, indent=1).encode())
         self.loc.delete(STATE)
@@ -282,23 +299,35 @@ class TokenStore:
         self.loc = Location(where, field)
         raw = self.loc.read_bytes(MANIFEST)
         if raw is None:
-            hint = ("its prepare has not finished: rerun it to continue" if self.loc.read_bytes(STATE) is not None
-                    else "prepare one with: ray-diloco prepare SOURCE --out DIR")
+            hint = (
+                "its prepare has not finished: rerun it to continue"
+                if self.loc.read_bytes(STATE) is not None
+                else "prepare one with: ray-diloco prepare SOURCE --out DIR"
+            )
             raise DataError(f"{field} = {where!r}: no {MANIFEST} ({hint})")
         try:
             self.manifest = json.loads(raw)
         except ValueError:
             raise DataError(f"{field} = {where!r}: {MANIFEST} is not valid JSON") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise DataError(f"{field} = {where!r}: store format {self.manifest.get('format')!r} version "
-                            f"{self.manifest.get('version')!r}; this ray-diloco reads {FORMAT!r} version {VERSION}")
+            raise DataError(
+                f"{field} = {where!r}: store format {self.manifest.get('format')!r} version "
+                f"{self.manifest.get('version')!r}; this ray-diloco reads {FORMAT!r} version {VERSION}"
+            )
 
     @property
     def id(self) -> str:
         """16 hex digits identifying the content (dtype, tokenizer, every shard's sha256)."""
         m = self.manifest
-        key = json.dumps([m["dtype"], m["tokenizer"]["sha256"], m.get("split"), m.get("order"),
-                          [[e["sha256"] for e in m["shards"][s]] for s in SPLITS]])
+        key = json.dumps(
+            [
+                m["dtype"],
+                m["tokenizer"]["sha256"],
+                m.get("split"),
+                m.get("order"),
+                [[e["sha256"] for e in m["shards"][s]] for s in SPLITS],
+            ]
+        )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     @property
@@ -326,15 +355,25 @@ class TokenStore:
             local = Path(self.loc.path(TOKENIZER_DIR))
         tok_json = local / "tokenizer.json"
         if not tok_json.is_file() or hashlib.sha256(tok_json.read_bytes()).hexdigest() != self.tokenizer_sha256:
-            raise DataError(f"{self.field} = {self.where!r}: its tokenizer/tokenizer.json is missing or differs from "
-                            "the one the manifest records; prepare the store again")
+            raise DataError(
+                f"{self.field} = {self.where!r}: its tokenizer/tokenizer.json is missing or differs from "
+                "the one the manifest records; prepare the store again"
+            )
         return load_saved_tokenizer(local)
 
     def split(self, name: str) -> TokenSplit:
         """The ``train`` or ``val`` split as a :class:`TokenSplit`."""
         m = self.manifest
-        return TokenSplit(self.where, name, m["shards"][name], m["dtype"], m["chunk_bytes"], self.field,
-                          order=m.get("order", "feistel"), cache_bytes=self.cache_bytes)
+        return TokenSplit(
+            self.where,
+            name,
+            m["shards"][name],
+            m["dtype"],
+            m["chunk_bytes"],
+            self.field,
+            order=m.get("order", "feistel"),
+            cache_bytes=self.cache_bytes,
+        )
 
 
 class TokenSplit:
@@ -348,8 +387,19 @@ class TokenSplit:
         DataError: a shard is missing, has another size than the manifest's, or fails its checksum.
     """
 
-    def __init__(self, where: str, name: str, shards: list[dict], dtype: str, chunk_bytes: int, field: str,
-                 order: str = "feistel", start: int = 0, stop: int | None = None, cache_bytes: int = CACHE_BYTES):
+    def __init__(
+        self,
+        where: str,
+        name: str,
+        shards: list[dict],
+        dtype: str,
+        chunk_bytes: int,
+        field: str,
+        order: str = "feistel",
+        start: int = 0,
+        stop: int | None = None,
+        cache_bytes: int = CACHE_BYTES,
+    ):
         self.where, self.name, self.shards, self.dtype = where, name, shards, np.dtype(dtype).newbyteorder("<")
         self.chunk_bytes, self.field, self.order, self.cache_bytes = chunk_bytes, field, order, cache_bytes
         self.offsets = np.concatenate([[0], np.cumsum([e["tokens"] for e in shards], dtype=np.int64)])
@@ -365,8 +415,18 @@ class TokenSplit:
 
     def head(self, n: int) -> TokenSplit:
         """The first ``min(n, len)`` tokens as a split of their own."""
-        out = TokenSplit(self.where, self.name, self.shards, self.dtype.str, self.chunk_bytes, self.field,
-                         self.order, self.start, min(self.stop, self.start + int(n)), self.cache_bytes)
+        out = TokenSplit(
+            self.where,
+            self.name,
+            self.shards,
+            self.dtype.str,
+            self.chunk_bytes,
+            self.field,
+            self.order,
+            self.start,
+            min(self.stop, self.start + int(n)),
+            self.cache_bytes,
+        )
         out._inline = self._inline[: len(out)] if self._inline is not None else None
         return out
 
@@ -422,8 +482,10 @@ class _ShardIO:
         self.pool = ThreadPoolExecutor(8, thread_name_prefix="token-prefetch") if self.loc.remote else None
 
     def _bad(self, k: int, what: str) -> DataError:
-        return DataError(f"{self.s.field} = {self.s.where!r}: shard {self.s.shards[k]['file']} {what}; "
-                         "the store is damaged: prepare it again")
+        return DataError(
+            f"{self.s.field} = {self.s.where!r}: shard {self.s.shards[k]['file']} {what}; "
+            "the store is damaged: prepare it again"
+        )
 
     def _map(self, k: int) -> np.ndarray:
         if k not in self.maps:
@@ -476,7 +538,7 @@ class _ShardIO:
             mm = self._map(k)
             for c in range(c0, c1 + 1):
                 if (k, c) not in self.verified:
-                    self._check(k, c, memoryview(mm[c * cb // item : (c + 1) * cb // item]).cast("B"))
+                    self._check(k, c, mm[c * cb // item : (c + 1) * cb // item].data.cast("B"))
             return np.array(mm[a:b])
         raw = b"".join(self._chunk(k, c) for c in range(c0, c1 + 1))
         lo = a * item - c0 * cb
@@ -509,8 +571,15 @@ class _ShardIO:
                 a, k = end, k + 1
 
 
-def write_store(out: str, tokenizer: Any, train: np.ndarray, val: np.ndarray, meta: dict[str, Any],
-                shard_tokens: int = SHARD_TOKENS, vocab_size: int | None = None) -> TokenStore:
+def write_store(
+    out: str,
+    tokenizer: Any,
+    train: np.ndarray,
+    val: np.ndarray,
+    meta: dict[str, Any],
+    shard_tokens: int = SHARD_TOKENS,
+    vocab_size: int | None = None,
+) -> TokenStore:
     """Write the token streams ``train`` and ``val`` (1-D integer arrays) as a store and open it.
     ``vocab_size`` defaults to ``len(tokenizer)``."""
     w = StoreWriter(out, vocab_size or len(tokenizer), shard_tokens)

@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from ray_diloco.config import Config
 
@@ -62,8 +62,14 @@ class Tracker:
         if cfg.tracking.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                            desc=f"{cfg.algorithm} M={cfg.diloco.replicas}", file=sys.stderr)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                desc=f"{cfg.algorithm} M={cfg.diloco.replicas}",
+                file=sys.stderr,
+            )
 
     def _start_wandb(self) -> None:
         t = self.cfg.tracking
@@ -87,8 +93,10 @@ class Tracker:
                     try:
                         wandb.teardown()
                         self.wandb_run = self._init_wandb("offline", run_id)
-                        self.wandb_warning = (f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
-                                              f"as run {run_id} (upload later with `wandb sync`)")
+                        self.wandb_warning = (
+                            f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
+                            f"as run {run_id} (upload later with `wandb sync`)"
+                        )
                         print(f"warning: {self.wandb_warning}", file=sys.stderr)
                         return
                     except Exception as e2:
@@ -106,13 +114,21 @@ class Tracker:
             import wandb
 
             return wandb.init(
-                project=t.project, entity=t.entity, name=t.name or self.run_dir.name, group=t.group,
-                tags=t.tags or None, config=self.cfg.to_dict(), dir=str(self.run_dir), mode=mode,
-                id=run_id or self._wandb_id(), resume="allow",
+                project=t.project,
+                entity=t.entity,
+                name=t.name or self.run_dir.name,
+                group=t.group,
+                tags=t.tags or None,
+                config=self.cfg.to_dict(),
+                dir=str(self.run_dir),
+                mode=cast(Literal["online", "offline", "disabled"], mode),  # wandb_mode of a validated tracking.mode
+                id=run_id or self._wandb_id(),
+                resume="allow",
                 # flush the offline log every second (default 15 s): a process killed without
                 # finishing (a trial stopped by ASHA, SIGKILL) keeps its history up to then
-                settings=wandb.Settings(silent=True, console="off", init_timeout=t.init_timeout_s,
-                                        x_transaction_log_flush_interval=1.0),
+                settings=wandb.Settings(
+                    silent=True, console="off", init_timeout=t.init_timeout_s, x_transaction_log_flush_interval=1.0
+                ),
             )
 
     def _wandb_id(self) -> str:
@@ -141,11 +157,18 @@ class Tracker:
                 if row.get("events"):  # membership events as a table (the counts are in membership/*)
                     import wandb
 
-                    self._events += [[row.get("outer_step"), e.get("event"), e.get("replica"),
-                                      json.dumps({x: y for x, y in e.items() if x not in ("event", "replica")})]
-                                     for e in row["events"]]
-                    flat["membership_events"] = wandb.Table(columns=["outer_step", "event", "replica", "info"],
-                                                            data=self._events)
+                    self._events += [
+                        [
+                            row.get("outer_step"),
+                            e.get("event"),
+                            e.get("replica"),
+                            json.dumps({x: y for x, y in e.items() if x not in ("event", "replica")}),
+                        ]
+                        for e in row["events"]
+                    ]
+                    flat["membership_events"] = wandb.Table(
+                        columns=["outer_step", "event", "replica", "info"], data=self._events
+                    )
                 self.wandb_run.log(flat, step=int(row.get("inner_step", 0)))
             except Exception as e:
                 print(f"warning: W&B logging stopped ({type(e).__name__})", file=sys.stderr)
@@ -177,9 +200,13 @@ class Tracker:
                 if self.cfg.tracking.log_model and summary.get("export_dir"):
                     import wandb
 
-                    art = wandb.Artifact(f"model-{self.run_dir.name}", type="model",
-                                         metadata={k: summary.get(k) for k in ("final_eval_loss", "num_parameters",
-                                                                               "tokens", "algorithm")})
+                    art = wandb.Artifact(
+                        f"model-{self.run_dir.name}",
+                        type="model",
+                        metadata={
+                            k: summary.get(k) for k in ("final_eval_loss", "num_parameters", "tokens", "algorithm")
+                        },
+                    )
                     art.add_dir(summary["export_dir"])
                     self.wandb_run.log_artifact(art)
                 self.wandb_run.finish()

@@ -15,14 +15,24 @@ if TYPE_CHECKING:
     from ray_diloco.config.schema import ModelConfig
 
 #: The names of :data:`PRESETS`, in its order (the type of ``model.preset``).
-PresetName = Literal["tiny", "cpu-small", "cpu-medium", "35m", "90m", "180m", "335m", "550m", "1.3b", "2.4b",
-                     "4b", "10b"]
+PresetName = Literal[
+    "tiny", "cpu-small", "cpu-medium", "35m", "90m", "180m", "335m", "550m", "1.3b", "2.4b", "4b", "10b"
+]
 
 Row = tuple[str, int, int, int, int, int, float, bool]
 
 #: The paper's FFN width (a two-matrix MLP) of each scaling-law size (arXiv 2503.09799, section 3).
-PAPER_FFN: dict[str, int] = {"35m": 2048, "90m": 3072, "180m": 4096, "335m": 5120, "550m": 6144, "1.3b": 8192,
-                             "2.4b": 10240, "4b": 12288, "10b": 16384}
+PAPER_FFN: dict[str, int] = {
+    "35m": 2048,
+    "90m": 3072,
+    "180m": 4096,
+    "335m": 5120,
+    "550m": 6144,
+    "1.3b": 8192,
+    "2.4b": 10240,
+    "4b": 12288,
+    "10b": 16384,
+}
 
 
 def swiglu_width(ffn: int) -> int:
@@ -37,11 +47,20 @@ PRESETS: dict[str, Row] = {
     "cpu-small": ("llama", 6, 6, 192, 512, 128, 0.0, False),
     "cpu-medium": ("llama", 8, 8, 256, 704, 256, 0.0, False),
     # Scaling Laws for DiLoCo (arXiv 2503.09799), section 3: QK-norm, z-loss 1e-4, seq 2048, tied embeddings.
-    **{name: ("qwen3", layers, heads, d, swiglu_width(PAPER_FFN[name]), 2048, 1e-4, True)
-       for name, (layers, heads, d) in {"35m": (6, 8, 512), "90m": (9, 12, 768), "180m": (12, 16, 1024),
-                                        "335m": (15, 20, 1280), "550m": (18, 24, 1536), "1.3b": (24, 32, 2048),
-                                        "2.4b": (30, 40, 2560), "4b": (36, 48, 3072),
-                                        "10b": (48, 64, 4096)}.items()},
+    **{
+        name: ("qwen3", layers, heads, d, swiglu_width(PAPER_FFN[name]), 2048, 1e-4, True)
+        for name, (layers, heads, d) in {
+            "35m": (6, 8, 512),
+            "90m": (9, 12, 768),
+            "180m": (12, 16, 1024),
+            "335m": (15, 20, 1280),
+            "550m": (18, 24, 1536),
+            "1.3b": (24, 32, 2048),
+            "2.4b": (30, 40, 2560),
+            "4b": (36, 48, 3072),
+            "10b": (48, 64, 4096),
+        }.items()
+    },
 }
 
 #: What a preset meant before 2026-12-01, for runs recorded then: their config left the shape
@@ -79,5 +98,4 @@ def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
     """
     preset = dict(zip(SHAPE_FIELDS, PRESETS[cfg.preset]))
     shape = {k: preset[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in SHAPE_FIELDS}
-    return {**shape, "vocab_size": vocab_size if cfg.vocab_size is None else cfg.vocab_size,
-            "init_std": cfg.init_std}
+    return {**shape, "vocab_size": vocab_size if cfg.vocab_size is None else cfg.vocab_size, "init_std": cfg.init_std}

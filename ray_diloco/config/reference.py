@@ -19,7 +19,8 @@ import sys
 import textwrap
 import types
 import typing
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from ray_diloco.config.schema import Config
 
@@ -45,12 +46,16 @@ def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls`` (a string literal right after the
     annotated assignment), whitespace collapsed; fields without one are left out."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    body = cast(ast.ClassDef, tree.body[0]).body
     docs = {}
     for stmt, nxt in itertools.pairwise(body):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -86,8 +91,8 @@ def value_text(value: Any) -> str:
     return f"`{value}`"
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+def _default(f: dataclasses.Field[Any]) -> Any:
+    return cast(Callable[[], Any], f.default_factory)() if f.default is dataclasses.MISSING else f.default
 
 
 def _cell(text: str) -> str:
@@ -103,8 +108,10 @@ def section_table(cls: type, prefix: str) -> list[str]:
         if dataclasses.is_dataclass(hints[f.name]):
             continue
         desc = _markdown_text(docs.get(f.name, ""))
-        rows.append(f"| `{prefix}{f.name}` | {_cell(type_text(hints[f.name]))} | {_cell(value_text(_default(f)))} "
-                    f"| {_cell(desc)} |")
+        rows.append(
+            f"| `{prefix}{f.name}` | {_cell(type_text(hints[f.name]))} | {_cell(value_text(_default(f)))} "
+            f"| {_cell(desc)} |"
+        )
     return rows
 
 
@@ -118,7 +125,7 @@ def markdown() -> str:
     out = [INTRO, "## Top level", "", _class_doc(Config), "", *section_table(Config, ""), ""]
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
-        cls = hints[f.name]
+        cls: type = hints[f.name]
         if not dataclasses.is_dataclass(cls):
             continue
         out += [f"## `{f.name}`", "", _class_doc(cls), "", *section_table(cls, f"{f.name}."), ""]

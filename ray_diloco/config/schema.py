@@ -425,4 +425,3 @@ class Config:
     def to_yaml(self) -> str:
         """The config as YAML, sections in declaration order (written to ``RUN_DIR/config.yaml``)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-

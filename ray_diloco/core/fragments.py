@@ -93,8 +93,10 @@ def plan_fragments(specs: list[ParamSpec], num_block_fragments: int = 1, pattern
     blocks = sorted({b for s in specs if (b := block_index(s.name)) is not None})
     P = num_block_fragments
     if len(blocks) < P:
-        raise ValueError(f"streaming.fragments = {P}: the model has {len(blocks)} numbered blocks "
-                         "(parameters named like layers.<i>.*); need at least one block per fragment")
+        raise ValueError(
+            f"streaming.fragments = {P}: the model has {len(blocks)} numbered blocks "
+            "(parameters named like layers.<i>.*); need at least one block per fragment"
+        )
     if pattern == "strided":
         group = {b: i % P for i, b in enumerate(blocks)}
     else:
@@ -103,8 +105,11 @@ def plan_fragments(specs: list[ParamSpec], num_block_fragments: int = 1, pattern
     first = next(i for i, s in enumerate(specs) if block_index(s.name) is not None)
     embed = [s for i, s in enumerate(specs) if block_index(s.name) is None and i < first]
     head = [s for i, s in enumerate(specs) if block_index(s.name) is None and i > first]
-    parts = [embed] + [[s for s in specs if (b := block_index(s.name)) is not None and group[b] == j]
-                       for j in range(P)] + [head]
+    parts = (
+        [embed]
+        + [[s for s in specs if (b := block_index(s.name)) is not None and group[b] == j] for j in range(P)]
+        + [head]
+    )
     parts = [p for p in parts if p]
     return [Fragment(i, tuple(p)) for i, p in enumerate(parts)]
 
@@ -114,8 +119,9 @@ def flatten(params: dict[str, torch.Tensor], fragment: Fragment, device: torch.d
     return torch.cat([params[p.name].detach().reshape(-1).to(device, torch.float32) for p in fragment.params])
 
 
-def pseudo_gradient(global_flat: torch.Tensor, params: dict[str, torch.Tensor], fragment: Fragment,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def pseudo_gradient(
+    global_flat: torch.Tensor, params: dict[str, torch.Tensor], fragment: Fragment, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``global - local`` for ``fragment`` (fp32 ``[fragment.numel]`` on ``global_flat``'s device:
     ``out`` when given, else a new tensor), computed parameter by parameter straight into the
     result: bitwise ``global_flat - flatten(params, fragment)`` without the flattened copy

@@ -192,8 +192,9 @@ class OuterOptimizer:
         self.steps = [0] * len(self.params)
 
     # -- the outer step --------------------------------------------------------------------
-    def step(self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
-             ) -> dict[str, Any]:
+    def step(
+        self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
+    ) -> dict[str, Any]:
         """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32
         (the driver's arithmetic, :meth:`step_ordered`, with the terms in the order given).
 
@@ -215,11 +216,16 @@ class OuterOptimizer:
             raise ValueError(f"pseudo-gradient has {mean.numel} values, expected {p.numel()}")
         before = p.clone()
         self.step_ordered(fragment, mean, average_only)
-        return {"before": before, "update_norm": float((p - before).norm()), "step": self.steps[fragment],
-                "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas]}
+        return {
+            "before": before,
+            "update_norm": float((p - before).norm()),
+            "step": self.steps[fragment],
+            "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas],
+        }
 
-    def step_ordered(self, fragment: int, mean: OrderedMean, average_only: bool = False,
-                     keep_update: bool = False) -> tuple[float, torch.Tensor | None]:
+    def step_ordered(
+        self, fragment: int, mean: OrderedMean, average_only: bool = False, keep_update: bool = False
+    ) -> tuple[float, torch.Tensor | None]:
         """The outer step of ``fragment`` with the mean of ``mean``'s terms (dropped after).
 
         SGD/Nesterov run torch's ``SGD`` update (``torch.optim.sgd``: dampening 0, no weight
@@ -241,6 +247,7 @@ class OuterOptimizer:
         p, opt = self.params[fragment], self.opts[fragment]
         self.steps[fragment] += 1
         g = opt.param_groups[0]
+        update: torch.Tensor | None
         if not average_only and self.cfg.name == "adam":
             full = mean.take()
             before = p.detach().clone()
@@ -277,9 +284,11 @@ class OuterOptimizer:
                     eff = eff.add_(b, alpha=mu) if g["nesterov"] else b
                 pc = p.detach()[sl]
                 if keep_update:
+                    assert old is not None
                     o = old[: pc.numel()].copy_(pc)
                 pc.add_(eff, alpha=-lr)
                 if keep_update:
+                    assert update is not None
                     torch.sub(pc, o, out=update[sl])
                     pc.copy_(o)
                 sq += float(eff.norm()) ** 2
@@ -324,5 +333,6 @@ class OuterOptimizer:
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""
-        return outer_state_hash([p.numpy() for p in self.params],
-                                [o.state.get(p, {}) for p, o in zip(self.params, self.opts)])
+        return outer_state_hash(
+            [p.numpy() for p in self.params], [o.state.get(p, {}) for p, o in zip(self.params, self.opts)]
+        )

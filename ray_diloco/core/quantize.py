@@ -121,8 +121,11 @@ def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantization format {fmt!r}: must be one of {', '.join(FORMATS)}")
-    t = x.detach().cpu().float().reshape(-1) if isinstance(x, torch.Tensor) else \
-        torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
+    t = (
+        x.detach().cpu().float().reshape(-1)
+        if isinstance(x, torch.Tensor)
+        else torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
+    )
     _check_finite(t)
     payload, scales = encode_tensor(t, fmt)
     return Packed(fmt, t.numel(), payload.numpy(), scales.numpy())
@@ -131,7 +134,7 @@ def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
 #: The fp4 rounding thresholds: midpoints between 0, 2^-2, ..., 2^4 (exact in fp32).
 _FP4_MIDS = torch.tensor([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0], dtype=torch.float32)
 #: fp32 value of each fp4 nibble: code 0..7 (0, 2^-2 .. 2^4), bit 3 the sign (-0.0 for code 0).
-_FP4_VALUES = torch.tensor([0.0, *(2.0 ** _FP4_EXP), -0.0, *(-(2.0 ** _FP4_EXP))], dtype=torch.float32)
+_FP4_VALUES = torch.tensor([0.0, *(2.0**_FP4_EXP), -0.0, *(-(2.0**_FP4_EXP))], dtype=torch.float32)
 #: Blocks per chunk of the fp4 encoder (1M values): its temporaries stay small.
 _FP4_CHUNK_BLOCKS = 4096
 

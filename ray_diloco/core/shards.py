@@ -53,8 +53,9 @@ def shard_bounds(numel: int, shards: int) -> list[slice]:
     """
     if numel < 0 or shards < 1:
         raise ValueError(f"shard_bounds: numel {numel} must be >= 0 and shards {shards} >= 1")
-    starts = [min(numel, (2 * numel * k + shards * ALIGN) // (2 * shards * ALIGN) * ALIGN)
-              for k in range(shards)] + [numel]
+    starts = [min(numel, (2 * numel * k + shards * ALIGN) // (2 * shards * ALIGN) * ALIGN) for k in range(shards)] + [
+        numel
+    ]
     return [slice(starts[k], starts[k + 1]) for k in range(shards)]
 
 
@@ -66,6 +67,7 @@ def slice_optimizer_state(state: dict[str, Any], sl: slice, numel: int) -> dict[
     """A torch optimiser ``state_dict`` of one fragment's flat parameter ``[numel]`` cut to slice
     ``sl``: every per-value buffer (momentum, Adam moments) is sliced, other tensors (Adam's
     step) are copied whole (every tensor a copy: shards step their own), the param groups kept."""
+
     def cut(v: Any) -> Any:
         if _sliceable(v, numel):
             return v[sl].clone()
@@ -150,7 +152,7 @@ def read_fragment_range(fragment: Fragment, ranks: int, read_part: Any, start: i
         for full, at, n in _row_runs(fragment, ranks, rank):
             lo, hi = max(full, start), min(full + n, stop)
             if lo < hi:
-                out[lo - start:hi - start] = read_part(rank, at + lo - full, at + hi - full)
+                out[lo - start : hi - start] = read_part(rank, at + lo - full, at + hi - full)
     return out
 
 
@@ -166,10 +168,12 @@ def join_rank_parts(parts: list[Any], fragment: Fragment) -> torch.Tensor:
     for r, part in enumerate(parts):
         part = (part.detach().cpu().numpy() if isinstance(part, torch.Tensor) else np.asarray(part)).reshape(-1)
         if part.size != rank_fragment(fragment, ranks, r).numel:
-            raise ValueError(f"fragment {fragment.index}: rank {r}'s part has {part.size} values, expected "
-                             f"{rank_fragment(fragment, ranks, r).numel}")
+            raise ValueError(
+                f"fragment {fragment.index}: rank {r}'s part has {part.size} values, expected "
+                f"{rank_fragment(fragment, ranks, r).numel}"
+            )
         for full, at, n in _row_runs(fragment, ranks, r):
-            out[full:full + n] = part[at:at + n]
+            out[full : full + n] = part[at : at + n]
     return torch.from_numpy(out)
 
 
@@ -179,7 +183,7 @@ def join_units(values: list[Any], fragments: list[Fragment], units: int) -> list
     ``[numel]`` arrays; ``units`` = 1: ``values`` as they are."""
     if units == 1:
         return values
-    return [join_rank_parts(values[f.index * units:(f.index + 1) * units], f).numpy() for f in fragments]
+    return [join_rank_parts(values[f.index * units : (f.index + 1) * units], f).numpy() for f in fragments]
 
 
 def split_rank_part(flat: Any, fragment: Fragment, ranks: int, rank: int) -> torch.Tensor:
@@ -188,5 +192,5 @@ def split_rank_part(flat: Any, fragment: Fragment, ranks: int, rank: int) -> tor
     flat = (flat if isinstance(flat, torch.Tensor) else torch.from_numpy(np.array(flat, np.float32))).reshape(-1)
     out = torch.empty(rank_fragment(fragment, ranks, rank).numel, dtype=torch.float32)
     for full, at, n in _row_runs(fragment, ranks, rank):
-        out[at:at + n] = flat[full:full + n]
+        out[at : at + n] = flat[full : full + n]
     return out

@@ -31,8 +31,9 @@ the copy's event.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -75,8 +76,10 @@ class DeviceStaging:
             return _done
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        src.record_stream(self._stream)
-        return lambda: self._stream.wait_event(event)
+        stream = self._stream
+        assert stream is not None  # made in __init__ on a CUDA device
+        src.record_stream(stream)
+        return lambda: stream.wait_event(event)
 
     def side(self) -> Any:
         """The side stream as the current stream, for the link thread's device work (a context

@@ -22,8 +22,9 @@ import dataclasses
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -55,9 +56,17 @@ class Transport(Protocol):
     error feedback).
     """
 
-    def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor, version: int = 0, average_only: bool = False,
-                 ready: Callable[[], None] | None = None) -> Future:
+    def exchange(
+        self,
+        fragment: int,
+        step: int,
+        weight: float,
+        delta: torch.Tensor | None,
+        old_global: torch.Tensor,
+        version: int = 0,
+        average_only: bool = False,
+        ready: Callable[[], None] | None = None,
+    ) -> Future:
         """Start a sync; the future resolves to a :class:`~ray_diloco.core.wire.SyncResult`
         (its ``staged``: the new global value already on the training device, or None)."""
 
@@ -154,6 +163,7 @@ class PendingSync:
     def outcome(self) -> SyncResult:
         """The finished exchange (waits for it); re-raises a failed one."""
         if self.result is None:
+            assert self.future is not None  # None only with a restored result
             self.result = self.future.result()
         return self.result
 
@@ -161,8 +171,16 @@ class PendingSync:
         """As checkpointed: fragment, send and merge steps, bytes up and down, status, the
         version its new global value is, and the fragment's previous send step (waits)."""
         res = self.outcome()
-        return [self.fragment, self.send_step, self.apply_step, res.bytes_up, res.bytes_down, res.status,
-                res.version, self.prev_send]
+        return [
+            self.fragment,
+            self.send_step,
+            self.apply_step,
+            res.bytes_up,
+            res.bytes_down,
+            res.status,
+            res.version,
+            self.prev_send,
+        ]
 
 
 @dataclasses.dataclass
@@ -203,9 +221,19 @@ class FragmentSync:
     transport read it.
     """
 
-    def __init__(self, params: dict[str, torch.Tensor], fragments: list[Fragment], *, alpha: float,
-                 batch: int, seq_len: int, world_size: int, rank: int = 0, trace: bool = False,
-                 on_reset: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        fragments: list[Fragment],
+        *,
+        alpha: float,
+        batch: int,
+        seq_len: int,
+        world_size: int,
+        rank: int = 0,
+        trace: bool = False,
+        on_reset: Callable[[], None] | None = None,
+    ):
         self.params, self.fragments, self.alpha = params, fragments, alpha
         self.batch, self.seq_len, self.world_size, self.rank = batch, seq_len, world_size, rank
         self.tracing, self.on_reset = trace, on_reset
@@ -260,7 +288,9 @@ class FragmentSync:
 
     def global_fragment(self, fragment: int) -> np.ndarray:
         """The global value of ``fragment`` held (fp32 ``[numel_p]``, a copy)."""
-        return self.global_flat[fragment].numpy().copy()
+        g = self.global_flat[fragment]
+        assert g is not None  # loaded
+        return g.numpy().copy()
 
     def global_hash(self) -> str:
         """sha256 of the global parameters held (all fragments loaded so far)."""
@@ -268,7 +298,8 @@ class FragmentSync:
 
     def pseudo_gradient_hash(self) -> str:
         """sha256 of ``global - local`` of every fragment."""
-        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, self.global_flat)])
+        held = [cast(torch.Tensor, g) for g in self.global_flat]  # every fragment loaded
+        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, held)])
 
     def reset_to_global(self) -> None:
         """Local parameters of every fragment <- the global ones held; then ``on_reset``."""
@@ -291,6 +322,7 @@ class FragmentSync:
     def step(self, t: int) -> float:
         """Every send and merge due after inner step ``t``; returns seconds blocked on the
         transport. Merges happen at their ``apply_step`` (``send + tau``), never before."""
+        assert self.schedule is not None  # attached
         for f in self.schedule.sends_at(t):
             self._send(f, t)
         waited = 0.0
@@ -302,6 +334,7 @@ class FragmentSync:
         """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
         it to the transport; the merge is queued for ``schedule.apply_step(t)``."""
         frag, g = self.fragments[f], self.global_flat[f]
+        assert g is not None and self.transport is not None and self.schedule is not None  # loaded, attached
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
         # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
         # globals computed on the device and handed to the transport there (core.staging)
@@ -309,16 +342,19 @@ class FragmentSync:
         if self.rank == 0 and self.staging is None:
             delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel))
         elif self.rank == 0:
-            delta = pseudo_gradient(self.global_dev[f], self.params, frag)
+            assert self.staging is not None  # the branch above takes None
+            delta = pseudo_gradient(cast(torch.Tensor, self.global_dev[f]), self.params, frag)  # kept with staging
             ready = self.staging.hand_off(delta)
         weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
         prev, self.last_send[f] = self.last_send[f], t
-        fut = self.transport.exchange(f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t),
-                                      ready=ready)
+        fut = self.transport.exchange(
+            f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t), ready=ready
+        )
         self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
         if self.tracing:
-            self.trace.append({"fragment": f, "send_step": t, "old_global": g.clone(),
-                               "local_at_send": flatten(self.params, frag)})
+            self.trace.append(
+                {"fragment": f, "send_step": t, "old_global": g.clone(), "local_at_send": flatten(self.params, frag)}
+            )
 
     def _merge(self, e: PendingSync) -> float:
         """Merge a finished sync by its status (see the module); returns seconds blocked."""
@@ -334,8 +370,10 @@ class FragmentSync:
         if self.staging is not None and not same:  # the device copy: staged by the transport, else copied now
             self.global_dev[f] = self.staging.adopt(res.staged) if res.staged is not None else self.staging.put(new)
         held = new if self.staging is None else self.global_dev[f]
+        assert held is not None  # a device copy is kept of every loaded fragment
         # the local values are read only where the merge or the trace needs them (not for alpha 0)
         local = flatten(self.params, frag, held.device) if self.tracing or 0 < alpha < 1 else None
+        merged: torch.Tensor | None
         if res.status == FAILED:
             self.last_send[f] = e.prev_send
             merged = local
@@ -345,12 +383,20 @@ class FragmentSync:
         elif alpha == 1:
             merged = local
         else:
-            merged = held if alpha == 0 else alpha * local + (1 - alpha) * held
+            # local is read for 0 < alpha < 1
+            merged = held if alpha == 0 else alpha * cast(torch.Tensor, local) + (1 - alpha) * held
             unflatten_into(self.params, frag, merged)
         if self.tracing:
+            assert merged is not None  # tracing reads the local values
             rec = next(r for r in reversed(self.trace) if r["fragment"] == f and r["send_step"] == e.send_step)
-            rec.update({"apply_step": e.apply_step, "new_global": new.clone(), "local_before_merge": _host(local),
-                        "merged": merged.to("cpu", copy=True)})
+            rec.update(
+                {
+                    "apply_step": e.apply_step,
+                    "new_global": new.clone(),
+                    "local_before_merge": _host(local),
+                    "merged": merged.to("cpu", copy=True),
+                }
+            )
         # an exchange reads its old global only while its sync is pending (join and
         # load_state_dict replace the globals before dropping pending syncs, so an abandoned
         # exchange never reads a buffer given here); the trace keeps clones
@@ -370,17 +416,25 @@ class FragmentSync:
         """Bytes and events merged since the ``since`` snapshot of :attr:`comm`, the largest sync,
         and the transport's counters (taken)."""
         c = self.comm
-        return {"bytes_up": c.bytes_up - since.bytes_up, "bytes_down": c.bytes_down - since.bytes_down,
-                "events": c.events - since.events, "peak_event_bytes": c.peak_event_bytes,
-                **self.transport.take_stats()}
+        assert self.transport is not None  # attached
+        return {
+            "bytes_up": c.bytes_up - since.bytes_up,
+            "bytes_down": c.bytes_down - since.bytes_down,
+            "events": c.events - since.events,
+            "peak_event_bytes": c.peak_event_bytes,
+            **self.transport.take_stats(),
+        }
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self, residuals: bool = True) -> dict[str, Any]:
         """``last_send``, ``pending`` (rows, see :meth:`PendingSync.row`; waits for them) and
         ``comm``; with ``residuals`` also the transport's error-feedback ``residuals`` when
         there are any. Call :meth:`settle` first so residuals are settled."""
-        state = {"last_send": list(self.last_send), "pending": [e.row() for e in self.pending],
-                 "comm": dataclasses.asdict(self.comm)}
+        state = {
+            "last_send": list(self.last_send),
+            "pending": [e.row() for e in self.pending],
+            "comm": dataclasses.asdict(self.comm),
+        }
         if residuals and self.transport is not None:
             res = self.transport.residual_state()
             if res:
@@ -396,7 +450,7 @@ class FragmentSync:
         for p in state.get("pending", []):
             f = int(p[0])
             status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, self.global_version[f], 0)
-            res = SyncResult(self.global_flat[f], int(p[3]), int(p[4]), status, version)
+            res = SyncResult(cast(torch.Tensor, self.global_flat[f]), int(p[3]), int(p[4]), status, version)
             self.pending.append(PendingSync(f, int(p[1]), int(p[2]), None, prev, res))
         self.comm = CommCounters(**state.get("comm", {}))
         if self.transport is not None:

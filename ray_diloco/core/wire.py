@@ -18,14 +18,22 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import (decode, encode, from_message, message_nbytes, quantize_message,
-                                      quantize_with_feedback, to_message)
+from ray_diloco.core.quantize import (
+    decode,
+    encode,
+    from_message,
+    message_nbytes,
+    quantize_message,
+    quantize_with_feedback,
+    to_message,
+)
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
 #: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
@@ -88,8 +96,9 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
     return packed.format, decode(packed)
 
 
-def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None,
-                   values: torch.Tensor | None = None) -> torch.Tensor:
+def apply_downlink(
+    old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None, values: torch.Tensor | None = None
+) -> torch.Tensor:
     """The new global fragment (fp32 ``[numel_p]``, a new tensor, or ``out``: the driver writes
     into its own global fragment) from the driver's reply. ``values``: the message's decoded
     values when the caller already has them (the encoder does: ``quantize_message``'s
@@ -106,17 +115,18 @@ def apply_downlink(old_global: torch.Tensor, message: bytes, out: torch.Tensor |
         if values.numel() != old_global.numel():
             raise ValueError(f"downlink has {values.numel()} values, the fragment has {old_global.numel()}")
         return torch.add(old_global, values, out=out)
-    fmt, values = message_values(message)
-    if values.size != old_global.numel():
-        raise ValueError(f"downlink has {values.size} values, the fragment has {old_global.numel()}")
+    fmt, decoded = message_values(message)
+    if decoded.size != old_global.numel():
+        raise ValueError(f"downlink has {decoded.size} values, the fragment has {old_global.numel()}")
     if fmt == "none":  # a raw array stays a (read-only) view: nothing decoded or copied
-        new = as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
+        new = as_tensor(decoded) if isinstance(message, np.ndarray) else torch.from_numpy(decoded)
         return new if out is None else out.copy_(new)
-    return torch.add(old_global, torch.from_numpy(values), out=out)
+    return torch.add(old_global, torch.from_numpy(decoded), out=out)
 
 
-def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
-                    residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
+def encode_downlink(
+    old_global: torch.Tensor, new_global: torch.Tensor, fmt: str, residual: torch.Tensor | None = None
+) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
     """Encode the driver's reply for one outer step of a fragment (fp32 ``[numel_p]`` before and
     after the step) in ``streaming.quantization`` ``fmt``.
 
@@ -135,7 +145,6 @@ def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str
         return to_message(encode(new_global, "none")), new_global, residual
     message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
     return message, apply_downlink(old_global, message), new_residual
-
 
 
 class Downlink:
@@ -193,8 +202,11 @@ class Downlink:
 
     def load_state_dict(self, state: list[Any] | None) -> None:
         """Restore :meth:`state_dict` (None or missing entries: no residual)."""
-        self.residuals = [None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-                          for r in (state or [None] * len(self.residuals))]
+        self.residuals = [
+            None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
+            for r in (state or [None] * len(self.residuals))
+        ]
+
 
 OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"
 
@@ -239,8 +251,9 @@ def message_numel(message: Message) -> int:
     return from_message(message).numel
 
 
-def decode_reply(old_global: torch.Tensor, reply: Reply,
-                 alloc: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+def decode_reply(
+    old_global: torch.Tensor, reply: Reply, alloc: Callable[[int], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
     without a message, the resync values, or :func:`apply_downlink` ``(old, message)``; a list
     of messages (``diloco.outer_shards`` K > 1) is one per shard's slice, in order, each
@@ -261,9 +274,14 @@ def decode_reply(old_global: torch.Tensor, reply: Reply,
             n = message_numel(part)
             if start + n > n_all:
                 raise ValueError(f"shard replies have more values than the fragment's {n_all}")
-            dest = out[start:start + n]
-            piece = decode_reply(old_global[start:start + n], Reply(reply.status, reply.version, part, reply.resync),
-                                 alloc=lambda _n, d=dest: d)
+            dest = out[start : start + n]
+
+            def into_dest(_n: int, d: torch.Tensor = dest) -> torch.Tensor:
+                return d
+
+            piece = decode_reply(
+                old_global[start : start + n], Reply(reply.status, reply.version, part, reply.resync), alloc=into_dest
+            )
             if piece.data_ptr() != dest.data_ptr():
                 dest.copy_(piece)
             start += n
@@ -298,11 +316,15 @@ class SyncResult:
     bytes_down: int  # the driver's reply
     status: str = "ok"  # Reply.status: ok, dropped, rejected or failed
     version: int = 0  # the fragment's global version new_global is
-    staged: Any = None  # new_global already copied to the training device (core.staging.DeviceStaging.to_device), or None
+    staged: Any = (
+        None  # new_global already copied to the training device (core.staging.DeviceStaging.to_device), or None
+    )
 
 
-DP_FORMULA = ("ring all-reduce: each of R ranks sends and receives 2 N (R-1)/R values per step in each "
-              "direction, b bytes per value (4 fp32, 2 bf16), R = M replicas")
+DP_FORMULA = (
+    "ring all-reduce: each of R ranks sends and receives 2 N (R-1)/R values per step in each "
+    "direction, b bytes per value (4 fp32, 2 bf16), R = M replicas"
+)
 
 
 def dp_equivalent_bytes(num_params: int, steps: int, ranks: int, bytes_per_value: int = 4) -> int:
@@ -312,8 +334,9 @@ def dp_equivalent_bytes(num_params: int, steps: int, ranks: int, bytes_per_value
     return int(round(2 * num_params * (ranks - 1) / ranks * bytes_per_value * steps)) if ranks > 1 else 0
 
 
-def communication_summary(num_params: int, steps: int, replicas: int, bytes_up: int, bytes_down: int,
-                          peak_sync_bytes: int) -> dict[str, Any]:
+def communication_summary(
+    num_params: int, steps: int, replicas: int, bytes_up: int, bytes_down: int, peak_sync_bytes: int
+) -> dict[str, Any]:
     """Bytes per replica for the whole run, next to the data-parallel equivalent (both directions).
 
     ``bytes_up``/``bytes_down`` are totals over all replicas; ``peak_sync_bytes`` is the largest

@@ -14,7 +14,6 @@ A Python user may pass any ``model_fn(shape: dict, vocab_size: int) -> torch.nn.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +38,23 @@ def hf_config(shape: dict[str, Any]):
     from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
     if shape["family"] == "gpt2":  # nanoGPT's GPT: learned positions, LayerNorm, GELU MLP, no dropout
-        return GPT2Config(vocab_size=shape["vocab_size"], n_embd=shape["d_model"], n_inner=shape["d_ff"],
-                          n_layer=shape["n_layers"], n_head=shape["n_heads"], n_positions=shape["context"],
-                          activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                          initializer_range=shape["init_std"], tie_word_embeddings=shape["tie_embeddings"],
-                          bos_token_id=None, eos_token_id=None, use_cache=False)
+        return GPT2Config(
+            vocab_size=shape["vocab_size"],
+            n_embd=shape["d_model"],
+            n_inner=shape["d_ff"],
+            n_layer=shape["n_layers"],
+            n_head=shape["n_heads"],
+            n_positions=shape["context"],
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            initializer_range=shape["init_std"],
+            tie_word_embeddings=shape["tie_embeddings"],
+            bos_token_id=None,
+            eos_token_id=None,
+            use_cache=False,
+        )
     common = dict(
         vocab_size=shape["vocab_size"],
         hidden_size=shape["d_model"],
@@ -80,9 +91,7 @@ def logits_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token loss. ``logits`` [B, T, V] (any float dtype), ``targets`` [B, T] int64.
 
     Returns ``(loss, ce)``: ``ce`` is the mean cross-entropy in nats/token (fp32) and
@@ -110,8 +119,12 @@ def budget_steps(cfg: Any, vocab_size: int, model_fn: ModelFn | None = None) -> 
     n = count_parameters(model)
     steps = max(1, math.ceil(cfg.run.tokens_per_parameter * n / (cfg.inner.global_batch * cfg.data.seq_len)))
     if steps > MAX_STEPS:
-        raise ConfigError([f"run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g}: gives {steps:,} inner steps "
-                           f"for {n:,} parameters, more than the {MAX_STEPS:,} a run may have"])
+        raise ConfigError(
+            [
+                f"run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g}: gives {steps:,} inner steps "
+                f"for {n:,} parameters, more than the {MAX_STEPS:,} a run may have"
+            ]
+        )
     return steps
 
 
@@ -130,5 +143,6 @@ def make_inner_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Ada
     i = cfg.inner
     groups = [{"params": decay, "weight_decay": i.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = True if next(model.parameters()).is_cuda else None
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps,
-                             fused=fused)
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=i.lr, betas=(i.beta1, i.beta2), eps=i.eps, fused=fused
+    )

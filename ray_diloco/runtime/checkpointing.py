@@ -11,8 +11,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.components.checkpoint import (OUTER_FILE, begin_checkpoint, finish_checkpoint, place_marker,
-                                              read_state_file, visible_file, worker_file)
+from ray_diloco.components.checkpoint import (
+    OUTER_FILE,
+    begin_checkpoint,
+    finish_checkpoint,
+    place_marker,
+    read_state_file,
+    visible_file,
+    worker_file,
+)
 from ray_diloco.components.storage import join_uri
 from ray_diloco.errors import CheckpointError
 
@@ -54,8 +61,14 @@ def write_checkpoint(t: Any) -> Path:
     try:
         token = place_marker(tmp)  # a writer that does not read it there does not share the run directory
         written = t.supervisor.on_live(
-            "save_state", lambda r, rank, i, n: (str(tmp / worker_file(r.index, rank)), rank == 0 or fsdp, token,
-                                                 remote and join_uri(remote, worker_file(r.index, rank))))
+            "save_state",
+            lambda r, rank, i, n: (
+                str(tmp / worker_file(r.index, rank)),
+                rank == 0 or fsdp,
+                token,
+                remote and join_uri(remote, worker_file(r.index, rank)),
+            ),
+        )
         failed = [info["error"] for info in written.values() if "error" in info]
         if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
             raise CheckpointError(f"checkpoint {tmp.parent / name}: {failed[0]}")
@@ -70,8 +83,10 @@ def write_checkpoint(t: Any) -> Path:
         t.mirror.uploaded_by_writers(name, {i["file"] for i in infos if i.get("uploaded")})
         problems = [i["upload_error"] for i in infos if "upload_error" in i]
         if problems:
-            t.log(f"note: {len(problems)} checkpoint writer(s) could not upload to {t.mirror.uri} "
-                  f"({problems[0]}): this process uploads their files")
+            t.log(
+                f"note: {len(problems)} checkpoint writer(s) could not upload to {t.mirror.uri} "
+                f"({problems[0]}): this process uploads their files"
+            )
     state = {
         "format": 2,
         "outer_step": st.outer_step,
@@ -93,6 +108,7 @@ def write_checkpoint(t: Any) -> Path:
     with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
         return finish_checkpoint(t.run_dir, st.outer_step, tmp, state, t.cfg.run.keep_checkpoints)
 
+
 def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | None) -> dict[str, Any]:
     """``{"file", "bytes"}`` when this process sees the file a worker (``key``) or the driver
     (None) wrote, with its size; else (its node does not share the run directory) the state
@@ -105,14 +121,17 @@ def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | Non
     if "file" in info and visible_file({"file": str(tmp / info["file"]), "bytes": info["bytes"]}):
         return {"file": info["file"], "bytes": info["bytes"]}
     who = "the outer-optimiser driver" if key is None else f"worker {key}"
-    t.log(f"note: {who} on node {info['node']} does not see {t.run_dir}: its checkpoint state goes "
-             "through this process (put run.output_dir on a file system every node shares)")
+    t.log(
+        f"note: {who} on node {info['node']} does not see {t.run_dir}: its checkpoint state goes "
+        "through this process (put run.output_dir on a file system every node shares)"
+    )
     if key is None:
         return t.sync.state_dict()
     try:
         r = next(r for r in t.replicas if r.index == key[0])
         return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or t.cfg.exchange_units > 1))
     except (StopIteration, ray.exceptions.RayError):
-        raise CheckpointError(f"checkpoint of outer step {t.state.outer_step}: replica {key[0]} was lost while "
-                              "its state was fetched; the next checkpoint goes without it") from None
-
+        raise CheckpointError(
+            f"checkpoint of outer step {t.state.outer_step}: replica {key[0]} was lost while "
+            "its state was fetched; the next checkpoint goes without it"
+        ) from None

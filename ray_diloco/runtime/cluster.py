@@ -47,7 +47,6 @@ class Replica:
         return self.workers[0]
 
 
-
 #: Set inside a Ray Tune trial (:mod:`ray_diloco.tune.trial`): the trial's placement group, whose
 #: bundle 0 hosts the trial itself and bundles ``1 + slot * W + rank`` the replicas' workers.
 #: Replicas are then placed in those reserved bundles instead of groups of their own, so
@@ -75,8 +74,10 @@ def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ClusterError(f"run.address = {address!r}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
-                           "start one with `ray start --head` or use --address auto") from None
+        raise ClusterError(
+            f"run.address = {address!r}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+            "start one with `ray start --head` or use --address auto"
+        ) from None
 
 
 def init_ray(cfg: Config) -> bool:
@@ -92,8 +93,12 @@ def init_ray(cfg: Config) -> bool:
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
     _check_reachable(address)
     try:
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=True,
-                 include_dashboard=False if address is None else None)
+        ray.init(
+            address=address,
+            logging_level=logging.ERROR,
+            log_to_driver=True,
+            include_dashboard=False if address is None else None,
+        )
     except SystemExit as e:  # SIGTERM while ray.init runs: Ray's own handler calls sys.exit(15)
         if not (GRACEFUL_SIGTERM and e.code == signal.SIGTERM):
             raise
@@ -101,8 +106,9 @@ def init_ray(cfg: Config) -> bool:
         raise KeyboardInterrupt from None
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(f"run.address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                           ) from None
+        raise ClusterError(
+            f"run.address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     return True
@@ -134,6 +140,7 @@ def check_resources(cfg: Config) -> float:
 
     d = cfg.diloco
     if HOST_PLACEMENT_GROUP is not None:  # a Tune trial: its bundles were sized from this config
+        assert d.cpus_per_worker is not None  # set by the trial's config (tune.space)
         return d.cpus_per_worker
     if not d.wait_for_nodes:
         return _check_resources(cfg, ray.cluster_resources())
@@ -142,8 +149,12 @@ def check_resources(cfg: Config) -> float:
     # a replica on one node needs one node with all its workers' resources; else one bundle per worker
     one_node = d.replica_nodes == "one"
     per, count = (d.workers_per_replica, d.replicas) if one_node else (1, d.replicas * d.workers_per_replica)
-    request_resources(bundles=[{"CPU": (d.cpus_per_worker or 1) * per,
-                                **({"GPU": d.gpus_per_worker * per} if d.gpus_per_worker else {})} for _ in range(count)])
+    request_resources(
+        bundles=[
+            {"CPU": (d.cpus_per_worker or 1) * per, **({"GPU": d.gpus_per_worker * per} if d.gpus_per_worker else {})}
+            for _ in range(count)
+        ]
+    )
     deadline, told = time.monotonic() + d.placement_timeout_s, False
     try:
         while True:
@@ -151,11 +162,15 @@ def check_resources(cfg: Config) -> float:
                 return _check_resources(cfg, ray.cluster_resources())
             except ClusterError as e:
                 if time.monotonic() >= deadline:
-                    raise ClusterError(f"{e} (after waiting diloco.placement_timeout_s = {d.placement_timeout_s:g} s "
-                                       "for the autoscaler: diloco.wait_for_nodes)") from None
+                    raise ClusterError(
+                        f"{e} (after waiting diloco.placement_timeout_s = {d.placement_timeout_s:g} s "
+                        "for the autoscaler: diloco.wait_for_nodes)"
+                    ) from None
                 if not told:
-                    print(f"note: waiting up to {d.placement_timeout_s:g} s for the autoscaler to add nodes ({e})",
-                          file=sys.stderr)
+                    print(
+                        f"note: waiting up to {d.placement_timeout_s:g} s for the autoscaler to add nodes ({e})",
+                        file=sys.stderr,
+                    )
                     told = True
                 time.sleep(2.0)
     finally:  # the request persists until replaced; the replicas' placement groups hold the nodes from now on
@@ -194,6 +209,7 @@ def _check_resources(cfg: Config, res: dict[str, float]) -> float:
 
 def _bundle(cfg: Config) -> dict[str, float]:
     d = cfg.diloco
+    assert d.cpus_per_worker is not None  # resolved (runtime.resolved) before anything is placed
     bundle = {"CPU": d.cpus_per_worker}
     if d.gpus_per_worker:
         bundle["GPU"] = d.gpus_per_worker
@@ -206,8 +222,9 @@ def _place(cfg: Config, index: int, slot: int, world: int, strategy: str, join_s
     if HOST_PLACEMENT_GROUP is not None:
         if slot < 0:
             raise ClusterError("diloco.spare_replicas: spares have no reserved bundles inside a Tune trial")
-        return Replica(index, [], HOST_PLACEMENT_GROUP, slot, join_step, bundle_offset=1 + slot * world,
-                       owns_placement_group=False)
+        return Replica(
+            index, [], HOST_PLACEMENT_GROUP, slot, join_step, bundle_offset=1 + slot * world, owns_placement_group=False
+        )
     pg = placement_group([_bundle(cfg) for _ in range(world)], strategy=strategy, name=f"diloco-replica-{index}")
     return Replica(index, [], pg, slot, join_step)
 
@@ -234,8 +251,9 @@ def wait_placed(pgs: list[Any], timeout_s: float) -> Any | None:
     return None
 
 
-def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None,
-           allreduce_emulation: bool = False) -> None:
+def _spawn(
+    cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None, allreduce_emulation: bool = False
+) -> None:
     """Create the replica's worker actors in its (placed) placement group."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -243,12 +261,25 @@ def _spawn(cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: Model
 
     d = cfg.diloco
     for rank in range(world):
-        r.workers.append(Worker.options(
-            num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(r.placement_group,
-                                                                 placement_group_bundle_index=r.bundle_offset + rank),
-        ).remote(cfg.to_dict(), r.index, rank, world, max(r.slot, 0) * world + rank, cfg.num_shards, vocab_size,
-                 model_fn, **({"allreduce_emulation": True} if allreduce_emulation else {})))
+        r.workers.append(
+            Worker.options(
+                num_cpus=d.cpus_per_worker,
+                num_gpus=d.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    r.placement_group, placement_group_bundle_index=r.bundle_offset + rank
+                ),
+            ).remote(
+                cfg.to_dict(),
+                r.index,
+                rank,
+                world,
+                max(r.slot, 0) * world + rank,
+                cfg.num_shards,
+                vocab_size,
+                model_fn,
+                **({"allreduce_emulation": True} if allreduce_emulation else {}),
+            )
+        )
         # slot -1: not known until the replica joins (it then moves to its shard)
 
 
@@ -258,8 +289,14 @@ def initial_members(cfg: Config, members: list[tuple[int, int, int]] | None = No
     return members or [(m, m, 0) for m in range(cfg.diloco.replicas)]
 
 
-def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
-                   layout: list[tuple[int, int, int, int, str]], allreduce_emulation: bool = False) -> list[Replica]:
+def start_replicas(
+    cfg: Config,
+    corpus_refs: tuple[Any, Any],
+    vocab_size: int,
+    model_fn: ModelFn | None,
+    layout: list[tuple[int, int, int, int, str]],
+    allreduce_emulation: bool = False,
+) -> list[Replica]:
     """Placement groups and worker actors; process groups formed; data shards opened. Blocks
     until every replica is placed (``diloco.placement_timeout_s``) and set up.
 
@@ -283,7 +320,8 @@ def start_replicas(cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, m
             r = next(r for r in replicas if r.placement_group is stuck)
             raise ClusterError(
                 f"diloco.placement_timeout_s = {d.placement_timeout_s:g}: replica {r.index}'s placement group "
-                f"({len(stuck.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time")
+                f"({len(stuck.bundle_specs)} x {_bundle(cfg)}, {layout[0][4]}) was not placed in time"
+            )
         for (_, _, _, world, _), r in zip(layout, replicas):
             _spawn(cfg, r, world, vocab_size, model_fn, allreduce_emulation)
         masters = ray.get([r.rank0.node_address.remote() for r in replicas])
@@ -322,6 +360,7 @@ class ReplicaLaunch:
             _spawn(cfg, r, world, vocab_size, model_fn)
             self.refs, self.stage = [r.rank0.node_address.remote()], "starting"
         if self.stage == "starting":
+            assert self.refs is not None  # set with the stage
             ready, _ = ray.wait(self.refs, timeout=0)
             if not ready:
                 return False
@@ -329,6 +368,7 @@ class ReplicaLaunch:
             self.refs = [w.setup.remote(addr, *corpus_refs) for w in r.workers]
             self.stage = "setup"
         if self.stage == "setup":
+            assert self.refs is not None  # set with the stage
             ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
             if len(ready) < len(self.refs):
                 return False
@@ -342,8 +382,9 @@ def launch_replica(cfg: Config, index: int, slot: int, join_step: int) -> Replic
     :class:`ReplicaLaunch`)."""
     import time
 
-    return ReplicaLaunch(_place(cfg, index, slot, cfg.diloco.workers_per_replica, replica_strategy(cfg), join_step),
-                         time.monotonic())
+    return ReplicaLaunch(
+        _place(cfg, index, slot, cfg.diloco.workers_per_replica, replica_strategy(cfg), join_step), time.monotonic()
+    )
 
 
 def stop_replicas(replicas: list[Replica]) -> None:

@@ -56,9 +56,10 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -67,8 +68,18 @@ import torch
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm, outer_state_hash
 from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.shards import join_optimizer_states, shard_bounds, slice_optimizer_state
-from ray_diloco.core.wire import (DROPPED, FAILED, OK, REJECTED, Downlink, Reply, message_numel, message_size,
-                                  message_values, transfer_allowance_s)
+from ray_diloco.core.wire import (
+    DROPPED,
+    FAILED,
+    OK,
+    REJECTED,
+    Downlink,
+    Reply,
+    message_numel,
+    message_size,
+    message_values,
+    transfer_allowance_s,
+)
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 1
@@ -184,6 +195,7 @@ class OuterShard:
         values, norm = await asyncio.get_running_loop().run_in_executor(self._checks, _decode_and_check, message)
         del message
         if norm is not None:
+            assert values is not None  # kept with its norm
             self.pending.setdefault((fragment, step), {})[replica] = values
         return norm, size
 
@@ -197,8 +209,9 @@ class OuterShard:
             if not held:
                 self.pending.pop((fragment, step), None)
 
-    async def step(self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool
-                   ) -> tuple[Any, int, float, int]:
+    async def step(
+        self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool
+    ) -> tuple[Any, int, float, int]:
         """The outer step of this slice on the token-weighted mean of ``terms`` (``(replica,
         weight)`` in the driver's order; weight 0: in the round, not in the sum), and its reply
         put once into the object store. Returns ``(reference, bytes, update norm, version)``."""
@@ -215,12 +228,14 @@ class OuterShard:
         the reply: with ``none`` the new global slice itself; otherwise the quantised update,
         which this shard applies to its own copy exactly as every receiver does
         (``core.wire.Downlink.encode_update``)."""
+        assert self.opt is not None  # set_global first
         s, p = self.cfg.streaming, self.opt.params[fragment]
         if s.quantization == "none":
             norm, _ = self.opt.step_ordered(fragment, mean, average_only)
             ref, size = ray.put(p.numpy()), message_nbytes(p.numel(), "none")
         else:
             _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
+            assert update is not None  # keep_update returns it
             message, norm = self.downlink.encode_update(self.opt, fragment, update)
             del update
             ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
@@ -229,28 +244,36 @@ class OuterShard:
 
     async def current(self, fragment: int) -> tuple[int, Any, int]:
         """``(version, reference, bytes)`` of this slice's current global values (a resync)."""
+
         def put() -> tuple[int, Any, int]:
+            assert self.opt is not None  # set_global first
             p = self.opt.params[fragment]
             return self.versions[fragment], ray.put(p.numpy()), message_nbytes(p.numel(), "none")
+
         return await self._maths(put)
 
     # -- state ---------------------------------------------------------------------------------
     async def global_refs(self) -> list[Any]:
         """This shard's slice of every fragment (fp32) put once into the object store."""
+        assert self.opt is not None  # set_global first
         return await self._maths(lambda: [ray.put(p.numpy()) for p in self.opt.params])
 
     async def global_params(self) -> list[np.ndarray]:
         """Copies of this shard's slice of every fragment, fp32."""
+        assert self.opt is not None  # set_global first
         return await self._maths(self.opt.global_params)
 
     def read(self, unit: int, start: int, stop: int) -> np.ndarray:
         """A copy of values ``[start, stop)`` of this shard's slice of exchange unit ``unit`` (fp32)."""
+        assert self.opt is not None  # set_global first
         return self.opt.params[unit][start:stop].numpy().copy()
 
     async def state_dict(self) -> dict[str, Any]:
         """This slice's global values, optimiser state, step counts, residuals and versions."""
-        return await self._maths(lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(),
-                                          "versions": list(self.versions)})
+        assert self.opt is not None  # set_global first
+        return await self._maths(
+            lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(), "versions": list(self.versions)}
+        )
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take this shard's slice of a whole (K = 1 layout) outer state: the layout of a
@@ -258,27 +281,42 @@ class OuterShard:
         await self._maths(self._load_state_dict, state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.opt is not None  # set_global first
         n = len(self.opt.params)
         if len(state["global"]) != n:
             raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
         numels = [np.asarray(g).size for g in state["global"]]
-        self.opt.load_state_dict({
-            "global": [np.asarray(g, dtype=np.float32).reshape(-1)[sl] for g, sl in zip(state["global"], self.bounds)],
-            "optimizers": [slice_optimizer_state(o, sl, k) for o, sl, k in zip(state["optimizers"], self.bounds, numels)],
-            "steps": state["steps"]})
+        self.opt.load_state_dict(
+            {
+                "global": [
+                    np.asarray(g, dtype=np.float32).reshape(-1)[sl] for g, sl in zip(state["global"], self.bounds)
+                ],
+                "optimizers": [
+                    slice_optimizer_state(o, sl, k) for o, sl, k in zip(state["optimizers"], self.bounds, numels)
+                ],
+                "steps": state["steps"],
+            }
+        )
         residuals = state.get("residuals") or [None] * n
-        self.downlink.load_state_dict([None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
-                                       for r, sl in zip(residuals, self.bounds)])
+        self.downlink.load_state_dict(
+            [
+                None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
+                for r, sl in zip(residuals, self.bounds)
+            ]
+        )
         self.versions = list(state.get("versions", [0] * n))
 
     async def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and outer buffers (K = 1: the whole state's)."""
+        assert self.opt is not None  # set_global first
         return await self._maths(self.opt.state_hash)
 
     def memory(self) -> dict[str, int]:
         """Bytes of the checked pseudo-gradients kept for open rounds, and this process's RSS."""
-        return {"held_bytes": sum(v.nbytes for held in self.pending.values() for v in held.values()),
-                "rss_bytes": _rss_bytes()}
+        return {
+            "held_bytes": sum(v.nbytes for held in self.pending.values() for v in held.values()),
+            "rss_bytes": _rss_bytes(),
+        }
 
 
 #: A shard as a Ray actor (K > 1). No CPU reserved (like the driver): its maths sets its own threads.
@@ -310,8 +348,9 @@ class _Shards:
     async def each(self, name: str, per_shard: list[tuple]) -> list[Any]:
         """Call shard i with ``per_shard[i]``; every call finishes (an exception is returned in
         its place, not raised while others still run)."""
-        return list(await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard)),
-                                         return_exceptions=True))
+        return list(
+            await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard)), return_exceptions=True)
+        )
 
 
 @dataclass
@@ -357,6 +396,7 @@ class _DriverReads:
     _locks: list[asyncio.Lock]
     _broken: str | None
     _pending_init: list[Any]
+    init_global: Callable[[list[Any]], Awaitable[None]]
 
     async def _ready(self) -> None:
         """Wait for the shard actors' initialisation (every caller awaits the same calls)."""
@@ -418,6 +458,7 @@ class _DriverReads:
         """Global values ``[start, stop)`` of exchange unit ``unit`` (fp32, a copy), read from the
         shards holding them (only those slices: no shard sends its whole state)."""
         await self._ready()
+        assert self.numels is not None  # init_global first
         parts = []
         for k, b in enumerate(shard_bounds(self.numels[unit], self.shards.k)):
             lo, hi = max(start, b.start), min(stop, b.stop)
@@ -437,17 +478,31 @@ class _DriverReads:
         if len(states) == 1:
             out = states[0]
         else:
+            assert self.numels is not None  # init_global first
             bounds = [shard_bounds(n, self.shards.k) for n in self.numels]
-            residuals = [None if all(s["residuals"][f] is None for s in states) else
-                         np.concatenate([np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None
-                                         else s["residuals"][f] for s, b in zip(states, bounds[f])])
-                         for f in range(len(self.numels))]
-            out = {"global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
-                   "optimizers": [join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
-                                  for f in range(len(self.numels))],
-                   "steps": list(states[0]["steps"]), "residuals": residuals}
-        out.update({"versions": list(self.versions), "completed": list(self.last_finished),
-                    "stats": copy.deepcopy(self.stats)})
+            residuals = [
+                None
+                if all(s["residuals"][f] is None for s in states)
+                else np.concatenate(
+                    [
+                        np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None else s["residuals"][f]
+                        for s, b in zip(states, bounds[f])
+                    ]
+                )
+                for f in range(len(self.numels))
+            ]
+            out = {
+                "global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
+                "optimizers": [
+                    join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
+                    for f in range(len(self.numels))
+                ],
+                "steps": list(states[0]["steps"]),
+                "residuals": residuals,
+            }
+        out.update(
+            {"versions": list(self.versions), "completed": list(self.last_finished), "stats": copy.deepcopy(self.stats)}
+        )
         return out
 
     async def save_state(self, path: str, token: str | None = None, upload: str | None = None) -> dict[str, Any]:
@@ -477,8 +532,9 @@ class _DriverReads:
             info.update({"uploaded": True} if problem is None else {"upload_error": problem})
         return info
 
-    async def export_weights(self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype,
-                             token: str) -> dict[str, int] | None:
+    async def export_weights(
+        self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype, token: str
+    ) -> dict[str, int] | None:
         """Write the global parameters as the exported model's safetensors into ``out_dir``
         (``components.export.write_hf_weights``: named as in the model, in ``dtype``, file by
         file), from this process (the job's never holds them), reading one parameter at a time
@@ -501,6 +557,7 @@ class _DriverReads:
         def read(i: int, start: int, stop: int) -> np.ndarray:  # on the writer's thread
             def part(rank: int, a: int, b: int) -> np.ndarray:
                 return asyncio.run_coroutine_threadsafe(self.read_unit(i * units + rank, a, b), loop).result()
+
             return read_fragment_range(fragments[i], units, part, start, stop)
 
         names = await asyncio.to_thread(write_hf_weights, fragments, read, Path(out_dir), dtype)
@@ -526,6 +583,7 @@ class _DriverReads:
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (each shard takes its slice of the one object)."""
         await self._quiet("load_state_dict", ray.put(state) if self.shards.actors else state)
+        assert self.numels is not None  # init_global first
         n = len(self.numels)
         self.versions = list(state.get("versions", [0] * n))
         self.last_finished = list(state.get("completed", [0] * n))
@@ -549,9 +607,15 @@ class _DriverReads:
         (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
         shards = await self.shards.all("memory")
         held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
-        out = {"open_rounds": len(self.rounds), "finished_rounds": len(self.finished), "held_bytes": held,
-               "events": len(self.events), "stats": len(self.stats), "failed_rounds": self.failed_rounds,
-               "rss_bytes": _rss_bytes()}
+        out = {
+            "open_rounds": len(self.rounds),
+            "finished_rounds": len(self.finished),
+            "held_bytes": held,
+            "events": len(self.events),
+            "stats": len(self.stats),
+            "failed_rounds": self.failed_rounds,
+            "rss_bytes": _rss_bytes(),
+        }
         if self.shards.actors:
             out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
         return out
@@ -577,7 +641,7 @@ class OuterDriver(_DriverReads):
         self.quorum = c.diloco.min_replicas
         self.timeout_s = c.diloco.sync_timeout_s
         self.members: dict[int, int] = dict(members) if members is not None else \
-            {m: 0 for m in range(c.diloco.replicas)}
+            {m: 0 for m in range(c.diloco.replicas)}  # fmt: skip
         self.removed: set[int] = set()
         self.rounds: dict[tuple[int, int], _Round] = {}
         self.finished: dict[tuple[int, int], _Finished] = {}
@@ -652,6 +716,7 @@ class OuterDriver(_DriverReads):
 
     # -- rounds ------------------------------------------------------------------------------
     def _check(self, fragment: int, replica: int) -> None:
+        assert self.numels is not None  # init_global first
         if not 0 <= fragment < len(self.numels):
             raise ValueError(f"fragment {fragment}: not in [0, {len(self.numels)})")
         if replica not in self.members and replica not in self.removed:
@@ -721,7 +786,7 @@ class OuterDriver(_DriverReads):
             errors = [o for o in outs if isinstance(o, BaseException)]
             if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
                 self._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
-                                f"{step}: {errors[0] if errors else 'versions differ'}")
+                                f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
             if errors:
                 raise errors[0]
             refs = [o[0] for o in outs]
@@ -729,15 +794,16 @@ class OuterDriver(_DriverReads):
             self.versions[fragment] = outs[0][3]
             self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
-                               "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})
+                               "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})  # fmt: skip
             message = refs[0] if len(refs) == 1 else refs
             return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
         await self.shards.all("discard", fragment, step)
         self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
-                    cause="timeout" if self._expected(step) - r.arrived else "complete")
+                    cause="timeout" if self._expected(step) - r.arrived else "complete")  # fmt: skip
         return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
 
     def _timeout_of(self, fragment: int) -> float:
+        assert self.numels is not None  # init_global first
         return self.timeout_s + transfer_allowance_s(message_nbytes(self.numels[fragment], "none"))
 
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
@@ -758,7 +824,7 @@ class OuterDriver(_DriverReads):
             status = DROPPED
         else:
             status = OK if replica in rec.included else REJECTED if replica in rec.rejected else \
-                FAILED if rec.failed else DROPPED
+                FAILED if rec.failed else DROPPED  # fmt: skip
         if rec is not None and not rec.failed and version == rec.base_version:
             return Reply(status, rec.base_version + 1, rec.message, size=rec.size)
         if version == self.versions[fragment]:
@@ -766,8 +832,7 @@ class OuterDriver(_DriverReads):
         async with self._locks[fragment]:  # not in the middle of a step of this fragment
             outs = await self.shards.all("current", fragment)
         refs = [o[1] for o in outs]
-        return Reply(status, outs[0][0], refs[0] if len(refs) == 1 else refs, resync=True,
-                     size=sum(o[2] for o in outs))
+        return Reply(status, outs[0][0], refs[0] if len(refs) == 1 else refs, resync=True, size=sum(o[2] for o in outs))
 
     def _parts(self, message: Any) -> list[Any] | None:
         """The message's K parts, one per shard (``[ref, ...]`` from a replica's link; a bare
@@ -776,12 +841,11 @@ class OuterDriver(_DriverReads):
             return None
         parts = message if isinstance(message, list) else [message]
         if len(parts) != self.shards.k:
-            raise ValueError(f"a pseudo-gradient in {len(parts)} parts, expected diloco.outer_shards = "
-                             f"{self.shards.k}")
+            raise ValueError(f"a pseudo-gradient in {len(parts)} parts, expected diloco.outer_shards = {self.shards.k}")
         return parts
 
     async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,
-                       version: int = 0, average_only: bool = False) -> Reply:
+                       version: int = 0, average_only: bool = False) -> Reply:  # fmt: skip
         """Submit replica ``replica``'s pseudo-gradient of ``fragment`` sent at inner step
         ``step`` (a ``core.wire`` message, fp32 ``[numel_p]`` once decoded, or a list of K
         ObjectRefs, one per shard's slice), weighted by ``weight`` (tokens trained since its last
@@ -808,8 +872,10 @@ class OuterDriver(_DriverReads):
         if key in self._checking or replica in getattr(self.rounds.get((fragment, step)), "arrived", ()):
             raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
         valid = parts is not None and bool(np.isfinite(weight)) and weight >= 0
+        norms: list[float | None]
         norms, size = [None], 0
         if valid:  # checked before the round counts it: a malformed message changes nothing
+            assert parts is not None  # valid
             self._checking.add(key)
             try:
                 checks = await self.shards.each("check", [(fragment, step, replica, [p]) for p in parts])
@@ -835,14 +901,14 @@ class OuterDriver(_DriverReads):
             self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
         else:
             r.weights[replica] = float(weight)
-            r.norms[replica] = _combine_norms(norms)
+            r.norms[replica] = _combine_norms(cast(list[float], norms))  # none is None here
         self._maybe_finish(fragment, step)
         if not r.done.is_set():
             await self._wait(fragment, step, r)
         return await self._reply(fragment, step, replica, version)
 
     async def result(self, fragment: int, step: int, replica: int = 0, version: int = 0,
-                     average_only: bool = False) -> Reply:
+                     average_only: bool = False) -> Reply:  # fmt: skip
         """The reply of a round for a rank > 0 of ``replica`` (waits for the round, at most its
         timeout after it opened)."""
         await self._ready()

@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 
-def _part(state: dict[str, Any], params: Any, vocab_size: int, tokens: np.ndarray, windows: np.ndarray,
-          model_fn: Any, gpus: float) -> dict[str, Any]:
+def _part(
+    state: dict[str, Any],
+    params: Any,
+    vocab_size: int,
+    tokens: np.ndarray,
+    windows: np.ndarray,
+    model_fn: Any,
+    gpus: float,
+) -> dict[str, Any]:
     """One task: the summed loss of ``windows`` (int ``[k]``) under the checkpoint's global
     parameters (from ``params``, an object-store list, when given; else read from ``outer.pt``)."""
     import ray
@@ -42,8 +50,15 @@ def _part(state: dict[str, Any], params: Any, vocab_size: int, tokens: np.ndarra
             return {"unseen": True}
         state = {**state, "outer": own}
     total, count = evaluate_checkpoint(state, vocab_size, tokens, windows, device, model_fn)
-    return {"total": total, "count": count, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-            "device": str(device), "windows": len(windows), "params": "file" if params is None else "object store"}
+    return {
+        "total": total,
+        "count": count,
+        "pid": os.getpid(),
+        "node": ray.util.get_node_ip_address(),
+        "device": str(device),
+        "windows": len(windows),
+        "params": "file" if params is None else "object store",
+    }
 
 
 @contextmanager
@@ -68,8 +83,14 @@ def on_cluster(cfg: Any, address: str | None) -> Iterator[None]:
             ray.shutdown()
 
 
-def evaluate_on_cluster(state: dict[str, Any], cfg: Any, tokens: np.ndarray, vocab_size: int, workers: int | None = None,
-                        model_fn: Any = None) -> tuple[float, int, list[dict[str, Any]]]:
+def evaluate_on_cluster(
+    state: dict[str, Any],
+    cfg: Any,
+    tokens: np.ndarray,
+    vocab_size: int,
+    workers: int | None = None,
+    model_fn: Any = None,
+) -> tuple[float, int, list[dict[str, Any]]]:
     """Summed loss (nats), token count and one record per task (``pid``, ``node``, ``device``,
     ``windows``, ``params``: read from ``file`` or from the ``object store``) of the checkpoint ``state`` (as ``load_checkpoint(..., lazy=True)`` gives it) over
     the validation ``tokens`` (int32, already cut to ``run.eval_tokens``), on the connected Ray
@@ -89,8 +110,7 @@ def evaluate_on_cluster(state: dict[str, Any], cfg: Any, tokens: np.ndarray, voc
     k = workers or cfg.diloco.replicas * cfg.diloco.workers_per_replica
     parts = [w for w in np.array_split(np.arange(n), max(1, min(k, n))) if len(w)]
     gpus = float(cfg.diloco.gpus_per_worker or 0)
-    task = ray.remote(_part).options(num_cpus=float(cfg.diloco.cpus_per_worker or 1), num_gpus=gpus,
-                                     max_retries=0)
+    task = ray.remote(_part).options(num_cpus=float(cfg.diloco.cpus_per_worker or 1), num_gpus=gpus, max_retries=0)
     tokens_ref = ray.put(np.asarray(tokens))
     out = ray.get([task.remote(state, None, vocab_size, tokens_ref, w, model_fn, gpus) for w in parts])
     unseen = [i for i, r in enumerate(out) if r.get("unseen")]
@@ -105,8 +125,14 @@ def evaluate_on_cluster(state: dict[str, Any], cfg: Any, tokens: np.ndarray, voc
     return sum(r["total"] for r in out), sum(r["count"] for r in out), out
 
 
-def evaluate_run_on_cluster(run_dir: str | Path, step: int | None = None, address: str | None = None,
-                            workers: int | None = None, model_fn: Any = None, corpus: Any = None) -> tuple[float, int, Path]:
+def evaluate_run_on_cluster(
+    run_dir: str | Path,
+    step: int | None = None,
+    address: str | None = None,
+    workers: int | None = None,
+    model_fn: Any = None,
+    corpus: Any = None,
+) -> tuple[float, int, Path]:
     """As :func:`ray_diloco.components.evaluate.evaluate_run` (same arguments and result), on a Ray
     cluster (:func:`on_cluster`: the connected one, ``address``, ``RAY_ADDRESS`` or a local one) in
     ``workers`` tasks (:func:`evaluate_on_cluster`).

@@ -11,9 +11,12 @@ precision the parameters are gathered in bf16 and gradients reduced in fp32 over
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor  # fully_shard's parameters
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -35,7 +38,9 @@ def shard_model(model: torch.nn.Module, world_size: int, device: torch.device, b
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -45,7 +50,7 @@ def local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Name -> this rank's rows of each trainable parameter: detached views sharing the DTensor's
     local storage (writing them writes the parameter), in ``named_parameters`` order."""
     with torch.no_grad():
-        return {n: p.to_local().detach() for n, p in model.named_parameters() if p.requires_grad}
+        return {n: cast("DTensor", p).to_local().detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _params_by_index(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -62,8 +67,12 @@ def optimizer_state_in(optimizer: torch.optim.Optimizer, state: dict[str, Any]) 
     wrapped = {}
     for k, s in state["state"].items():
         p = params[int(k)]
-        wrapped[k] = {n: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
-                      if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                      for n, v in s.items()}
+        wrapped[k] = {
+            n: DTensor.from_local(
+                v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.dim() > 0
+            else v
+            for n, v in s.items()
+        }
     optimizer.load_state_dict({"state": wrapped, "param_groups": state["param_groups"]})

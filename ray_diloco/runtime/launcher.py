@@ -17,8 +17,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.components.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint, lock_run_dir, \
-    remove_partial_checkpoints
+from ray_diloco.components.checkpoint import (
+    checkpoint_config,
+    list_checkpoints,
+    load_checkpoint,
+    lock_run_dir,
+    remove_partial_checkpoints,
+)
 from ray_diloco.components.data import Corpus, eval_split, load_corpus, load_saved_tokenizer, num_train_windows
 from ray_diloco.components.export import export_model
 from ray_diloco.components.storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
@@ -28,8 +33,8 @@ from ray_diloco.core.wire import communication_summary
 from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
 from ray_diloco.models.transformer import ModelFn, pin_model_fields
 from ray_diloco.runtime.cluster import check_resources, error_cause, init_ray
-from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.runtime.resolved import ResolvedRun
+from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.runtime.trainer import Trainer, signals_deferred
 
 
@@ -50,19 +55,32 @@ def _run_dir_for(cfg: Config) -> Path:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"run.name = {cfg.run.name!r}: {run_dir} exists and is not a directory"])
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError([f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
-                           f"(resume it with --resume {run_dir}, or choose another run.name)"])
+        raise ConfigError(
+            [
+                f"run.name = {cfg.run.name!r}: run directory {run_dir} already exists and is not empty "
+                f"(resume it with --resume {run_dir}, or choose another run.name)"
+            ]
+        )
     if remote:
+        assert cfg.run.storage_path is not None  # remote: a URI
         uri = join_uri(cfg.run.storage_path, cfg.run.name)
         fs, path = filesystem(uri)
         try:
             exists = fs.get_file_info(f"{path}/config.yaml").type.name == "File"
         except Exception as e:
-            raise ConfigError([f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]) from None
+            raise ConfigError(
+                [
+                    f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                ]
+            ) from None
         if exists:
-            raise ConfigError([f"run.name = {cfg.run.name!r}: {uri} already holds a run (resume it with --resume "
-                               f"{uri}, or choose another run.name)"])
+            raise ConfigError(
+                [
+                    f"run.name = {cfg.run.name!r}: {uri} already holds a run (resume it with --resume "
+                    f"{uri}, or choose another run.name)"
+                ]
+            )
     return run_dir
 
 
@@ -93,11 +111,22 @@ def _truncate_metrics(run_dir: Path, outer_step: int) -> None:
 # the run
 
 
-FIXED_ON_RESUME = ("algorithm", "diloco.replicas", "diloco.max_replicas", "diloco.workers_per_replica", "diloco.H",
-                   "diloco.sharding",
-                   "model", "data",
-                   "run.seed", "inner.global_batch", "streaming.fragments", "streaming.layers_per_fragment",
-                   "streaming.pattern", "streaming.overlap_steps")
+FIXED_ON_RESUME = (
+    "algorithm",
+    "diloco.replicas",
+    "diloco.max_replicas",
+    "diloco.workers_per_replica",
+    "diloco.H",
+    "diloco.sharding",
+    "model",
+    "data",
+    "run.seed",
+    "inner.global_batch",
+    "streaming.fragments",
+    "streaming.layers_per_fragment",
+    "streaming.pattern",
+    "streaming.overlap_steps",
+)
 
 
 def _check_resumable(cfg: Config, saved: Config) -> None:
@@ -110,16 +139,20 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
         if name:
             a, b = a[name], b[name]
         if isinstance(a, dict):
-            problems += [f"{section}.{k} = {a[k]!r}: the checkpoint was trained with {b[k]!r}; it cannot change "
-                         "on resume" for k in a if a[k] != b.get(k)]
+            problems += [
+                f"{section}.{k} = {a[k]!r}: the checkpoint was trained with {b[k]!r}; it cannot change on resume"
+                for k in a
+                if a[k] != b.get(k)
+            ]
         elif a != b:
             problems.append(f"{key} = {a!r}: the checkpoint was trained with {b!r}; it cannot change on resume")
     if problems:
         raise ConfigError(problems)
 
 
-def prepare(config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None,
-            address: str | None = None) -> tuple[Config, Path, dict[str, Any] | None]:
+def prepare(
+    config: Any = None, overrides: list[str] | None = None, resume: str | Path | None = None, address: str | None = None
+) -> tuple[Config, Path, dict[str, Any] | None]:
     """Resolve the config, the run directory (checked, not created) and, on resume, the checkpoint.
 
     Raises:
@@ -127,8 +160,12 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
     """
     if resume is not None:
         if config is not None:
-            raise ConfigError([f"--config {config}: cannot be combined with --resume (the run's config.yaml is "
-                               "used; change fields such as run.steps with --set)"])
+            raise ConfigError(
+                [
+                    f"--config {config}: cannot be combined with --resume (the run's config.yaml is "
+                    "used; change fields such as run.steps with --set)"
+                ]
+            )
         if is_uri(str(resume)):  # a mirrored run (run.storage_path): fetch it into run.output_dir
             resume = download_run(str(resume), load_config(None, overrides, validate=False).run.output_dir)
         run_dir = Path(resume).expanduser()
@@ -143,15 +180,25 @@ def prepare(config: Any = None, overrides: list[str] | None = None, resume: str 
             _check_resumable(cfg, saved)
             done = int(state["counters"]["inner_step"])
             if cfg.run.steps < done:
-                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint has already trained {done} inner steps; "
-                                   f"give at least {done} (more extends the run)"])
+                raise ConfigError(
+                    [
+                        f"run.steps = {cfg.run.steps}: the checkpoint has already trained {done} inner steps; "
+                        f"give at least {done} (more extends the run)"
+                    ]
+                )
             if cfg.run.steps > saved.run.steps and done % cfg.diloco.H:
-                raise ConfigError([f"run.steps = {cfg.run.steps}: the checkpoint ends at inner step {done}, part way "
-                                   f"through an outer step of diloco.H = {cfg.diloco.H} (its run.steps = "
-                                   f"{saved.run.steps} is not a multiple of H), so the run cannot be extended"])
+                raise ConfigError(
+                    [
+                        f"run.steps = {cfg.run.steps}: the checkpoint ends at inner step {done}, part way "
+                        f"through an outer step of diloco.H = {cfg.diloco.H} (its run.steps = "
+                        f"{saved.run.steps} is not a multiple of H), so the run cannot be extended"
+                    ]
+                )
         else:  # it stopped before its first checkpoint (a failed start-up): run it again from step 0
-            print(f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
-                  file=sys.stderr)
+            print(
+                f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
+                file=sys.stderr,
+            )
             state = None
     else:
         cfg = load_config(config, overrides)
@@ -173,8 +220,11 @@ def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
     if not isinstance(summary, dict) or summary.get("inner_steps") != steps:
         return None
     loss = summary.get("final_eval_loss")
-    print(f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
-          "trains it further)", file=sys.stderr)
+    print(
+        f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
+        "trains it further)",
+        file=sys.stderr,
+    )
     print("final validation loss of the global model: " + (f"{loss:.4f}" if isinstance(loss, float) else str(loss)))
     print(f"run directory: {run_dir}")
     return summary
@@ -182,7 +232,7 @@ def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
 
 def train(config: Any = None, overrides: list[str] | None = None, *, resume: str | Path | None = None,
           address: str | None = None, model_fn: ModelFn | None = None, corpus: Corpus | None = None,
-          on_outer_step: Any = None) -> dict[str, Any]:
+          on_outer_step: Any = None) -> dict[str, Any]:  # fmt: skip
     """Run DiLoCo (or the DP baseline) and return the summary (also written to ``summary.json``).
 
     Args:
@@ -222,8 +272,11 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
             _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if rs is not None:
-            print(f"resumed from the checkpoint of outer step {rs['outer_step']} "
-                  f"(inner step {trainer.state.inner_step} of {run.run.steps})", file=sys.stderr)
+            print(
+                f"resumed from the checkpoint of outer step {rs['outer_step']} "
+                f"(inner step {trainer.state.inner_step} of {run.run.steps})",
+                file=sys.stderr,
+            )
         print(f"run directory: {run_dir}", file=sys.stderr)
         tracker = Tracker(run, run_dir, run.run.steps, trainer.state.inner_step)
         timing = trainer.run(tracker)
@@ -232,11 +285,15 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tracker = None
         write_summary(run_dir, summary)
         if trainer.mirror is not None and not trainer.mirror.sync(final=True):
-            print(f"warning: the copy of the run at {trainer.mirror.uri} is incomplete (the uploads above "
-                  f"failed); the run directory {run_dir} is complete", file=sys.stderr)
+            print(
+                f"warning: the copy of the run at {trainer.mirror.uri} is incomplete (the uploads above "
+                f"failed); the run directory {run_dir} is complete",
+                file=sys.stderr,
+            )
     except ray.exceptions.RayError as e:
-        if isinstance(getattr(e, "cause", None), RayDilocoError):  # a worker's own one-line error
-            raise e.cause from None
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RayDilocoError):  # a worker's own one-line error
+            raise cause from None
         raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
     finally:
         with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
@@ -271,15 +328,22 @@ def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str
         ConfigError: ``model.vocab_size`` below the tokenizer's, or a budget over the step limit.
     """
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
-        raise ConfigError([f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
-                           f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"])
+        raise ConfigError(
+            [
+                f"model.vocab_size = {cfg.model.vocab_size}: smaller than the tokenizer's "
+                f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"
+            ]
+        )
     if cfg.run.tokens_per_parameter is None or rs is not None:
         return ResolvedRun.resolve(cfg)
     from ray_diloco.models.transformer import budget_steps
 
     steps = budget_steps(cfg, corpus.vocab_size, model_fn)
-    print(f"run.steps = {steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "
-          f"parameters / (inner.global_batch x data.seq_len)", file=sys.stderr)
+    print(
+        f"run.steps = {steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "
+        f"parameters / (inner.global_batch x data.seq_len)",
+        file=sys.stderr,
+    )
     return ResolvedRun.resolve(cfg, steps)
 
 
@@ -291,9 +355,11 @@ def _check_corpus(cfg: Config, corpus: Corpus, run_dir: Path, rs: dict[str, Any]
     """
     per_shard = num_train_windows(len(corpus.train), cfg.data.seq_len) // cfg.num_shards
     if per_shard < cfg.batch_per_worker:
-        raise DataError(f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
-                        f"tokens per shard, fewer than one batch of {cfg.batch_per_worker} "
-                        f"(inner.global_batch / (diloco.replicas x diloco.workers_per_replica)); use more text")
+        raise DataError(
+            f"data: {len(corpus.train):,} training tokens give {per_shard} sequences of {cfg.data.seq_len} "
+            f"tokens per shard, fewer than one batch of {cfg.batch_per_worker} "
+            f"(inner.global_batch / (diloco.replicas x diloco.workers_per_replica)); use more text"
+        )
     if rs is not None and rs.get("corpus_fingerprint") != corpus.fingerprint:
         raise CheckpointError(f"--resume {run_dir}: the corpus differs from the one the checkpoint was trained on")
 
@@ -321,8 +387,10 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
             corpus.tokenizer.save_pretrained(str(tok_dir))
         if is_uri(run.run.storage_path):
             trainer.mirror = Mirror(run_dir, run.run.storage_path, run.run.keep_checkpoints)
-            print(f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
-                  file=sys.stderr)
+            print(
+                f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
+                file=sys.stderr,
+            )
     except BaseException:  # the caller only closes a lock it was given
         lock.close()
         raise
@@ -333,9 +401,16 @@ def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | No
     """Export the global model to ``RUN_DIR/final`` and return the run's summary."""
     run, st, run_dir = trainer.cfg, trainer.state, trainer.run_dir
     trainer.settle()
-    export_dir = export_model(run, trainer.global_params, trainer.corpus.vocab_size, trainer.corpus.tokenizer,
-                              run_dir / "final", trainer.model_fn, trainer.fragments,
-                              lambda out, dtype: trainer.sync.export_weights(trainer, out, dtype))
+    export_dir = export_model(
+        run,
+        trainer.global_params,
+        trainer.corpus.vocab_size,
+        trainer.corpus.tokenizer,
+        run_dir / "final",
+        trainer.model_fn,
+        trainer.fragments,
+        lambda out, dtype: trainer.sync.export_weights(trainer, out, dtype),
+    )
     return {
         "final_eval_loss": st.last_eval,
         "evals": st.evals,
@@ -351,11 +426,18 @@ def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | No
         "inner_compute_s": timing["inner_compute_s"],
         "outer_wait_s": timing["outer_wait_s"],
         "tokens_per_s": (st.tokens - (rs["counters"]["tokens"] if rs else 0)) / timing["wall_s"]
-        if timing["wall_s"] > 0 else None,
+        if timing["wall_s"] > 0
+        else None,
         "bytes_sent": st.bytes_sent,
         "bytes_received": st.bytes_received,
-        "communication": communication_summary(trainer.num_params, st.inner_step, strategy_class(run).link_ranks(run),
-                                               st.bytes_sent, st.bytes_received, st.peak_sync_bytes),
+        "communication": communication_summary(
+            trainer.num_params,
+            st.inner_step,
+            strategy_class(run).link_ranks(run),
+            st.bytes_sent,
+            st.bytes_received,
+            st.peak_sync_bytes,
+        ),
         "compute_utilisation": st.inner_compute_s / st.train_wall_s if st.train_wall_s > 0 else None,
         "sync_wait_s": st.sync_wait_s,
         "fragments": trainer.num_fragments,

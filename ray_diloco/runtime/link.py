@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +114,17 @@ class Link:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
 
-    def exchange(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-                 old_global: torch.Tensor, version: int = 0, average_only: bool = False,
-                 ready: Any = None) -> Future:
+    def exchange(
+        self,
+        fragment: int,
+        step: int,
+        weight: float,
+        delta: torch.Tensor | None,
+        old_global: torch.Tensor,
+        version: int = 0,
+        average_only: bool = False,
+        ready: Any = None,
+    ) -> Future:
         """Start the sync of ``fragment`` sent at inner step ``step`` in the background; returns a
         ``Future[SyncResult]``. ``ready``: with device globals (``core.staging``), called on the
         link thread before its work on ``delta`` (a device tensor the training stream may still be
@@ -140,8 +148,17 @@ class Link:
             with self._lock:
                 self.stats.emulated_delay_s += d
 
-    def _run(self, fragment: int, step: int, weight: float, delta: torch.Tensor | None,
-             old_global: torch.Tensor, version: int, average_only: bool, ready: Any = None) -> SyncResult:
+    def _run(
+        self,
+        fragment: int,
+        step: int,
+        weight: float,
+        delta: torch.Tensor | None,
+        old_global: torch.Tensor,
+        version: int,
+        average_only: bool,
+        ready: Any = None,
+    ) -> SyncResult:
         import ray
 
         t0 = time.perf_counter()
@@ -149,6 +166,7 @@ class Link:
         unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
         if self.rank == 0 or self.units > 1:
             before = self.residuals.get(fragment)
+            assert delta is not None  # computed by every sender (core.sync: rank 0, or each rank's rows under FSDP)
             if ready is not None:
                 ready()
             with self.staging.side() if self.staging is not None else nullcontext():
@@ -172,8 +190,9 @@ class Link:
             reply = ray.get(self.driver.result.remote(unit, step, self.replica, version, average_only))
         down = reply.nbytes
         self._sleep(down)
-        new_global = decode_reply(old_global, resolve_reply(reply),
-                                  alloc=None if self.buffers is None else self.buffers.take)
+        new_global = decode_reply(
+            old_global, resolve_reply(reply), alloc=None if self.buffers is None else self.buffers.take
+        )
         staged = None
         if self.staging is not None and new_global is not old_global:
             staged = self.staging.to_device(new_global)
@@ -181,8 +200,9 @@ class Link:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version, staged)
 
-    def _encode(self, fragment: int, delta: torch.Tensor,
-                before: torch.Tensor | None) -> tuple[list[np.ndarray] | None, torch.Tensor | None]:
+    def _encode(
+        self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None
+    ) -> tuple[list[np.ndarray] | None, torch.Tensor | None]:
         """The uplink messages, one numpy buffer per outer-optimiser shard (None: non-finite,
         abstain), and the host buffer they live in (to give back to :attr:`buffers` once sent):
         with ``none`` slices of the fp32 pseudo-gradient itself (no framing; a device one is
@@ -224,8 +244,9 @@ class Link:
 
     def load_residual_state(self, residuals: dict[int, Any]) -> None:
         """Replace the error-feedback residuals with copies of fp32 arrays by fragment."""
-        self.residuals = {int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-                          for f, r in residuals.items()}
+        self.residuals = {
+            int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True)) for f, r in residuals.items()
+        }
 
     def take_stats(self) -> dict[str, Any]:
         """The counters since the last call, then reset."""

@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ray_diloco.runtime.cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import ModelFn
-
+from ray_diloco.runtime.cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
 
 #: The file in a run directory that ``ray-diloco scale`` writes and a running trainer reads
 #: at every outer-step boundary: ``{"replicas": N}``.
@@ -60,11 +59,18 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
     if not strategy_class(cfg).elastic:
         raise ConfigError([f"scale {run_dir}: algorithm = {cfg.algorithm!r}; only diloco runs are elastic"])
     if not d.min_replicas <= replicas <= cfg.num_slots:
-        raise ConfigError([f"--replicas = {replicas}: must be in [diloco.min_replicas = {d.min_replicas}, "
-                           f"max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]"])
+        raise ConfigError(
+            [
+                f"--replicas = {replicas}: must be in [diloco.min_replicas = {d.min_replicas}, "
+                f"max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]"
+            ]
+        )
     if (run_dir / "summary.json").is_file():
-        print(f"note: {run_dir} has finished (summary.json); the request applies if the run is extended with "
-              "--resume --set run.steps=...", file=sys.stderr)
+        print(
+            f"note: {run_dir} has finished (summary.json); the request applies if the run is extended with "
+            "--resume --set run.steps=...",
+            file=sys.stderr,
+        )
     path = run_dir / SCALE_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"replicas": replicas}))
@@ -90,8 +96,15 @@ class Membership:
         live: the replicas running now. next_id: the id the next new replica gets.
     """
 
-    def __init__(self, cfg: Config, corpus_refs: tuple[Any, Any], vocab_size: int, model_fn: ModelFn | None,
-                 live: list[Replica], next_id: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        corpus_refs: tuple[Any, Any],
+        vocab_size: int,
+        model_fn: ModelFn | None,
+        live: list[Replica],
+        next_id: int | None = None,
+    ):
         self.cfg, self.corpus_refs, self.vocab_size, self.model_fn = cfg, corpus_refs, vocab_size, model_fn
         self.live = sorted(live, key=lambda r: r.index)
         self.launches: list[ReplicaLaunch] = []
@@ -107,8 +120,12 @@ class Membership:
     def state_dict(self) -> dict[str, Any]:
         """Members ``[id, slot, join step]``, the next id, the failure count and each slot's
         last data position (per rank)."""
-        return {"members": [[r.index, r.slot, r.join_step] for r in self.live], "next_id": self.next_id,
-                "failures": self.failures, "slot_readers": {int(k): v for k, v in self.slot_readers.items()}}
+        return {
+            "members": [[r.index, r.slot, r.join_step] for r in self.live],
+            "next_id": self.next_id,
+            "failures": self.failures,
+            "slot_readers": {int(k): v for k, v in self.slot_readers.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters and slot positions of :meth:`state_dict` (members are started by
@@ -178,8 +195,9 @@ class Membership:
         if self.cfg.diloco.join_inner_state == "peer" and self.live:
             try:
                 fsdp = self.cfg.exchange_units > 1  # a joiner's rank r takes rank r's rows
-                peer = [w.inner_optimizer_state.remote() for w in (self.live[0].workers if fsdp
-                                                                     else [self.live[0].rank0])]
+                peer = [
+                    w.inner_optimizer_state.remote() for w in (self.live[0].workers if fsdp else [self.live[0].rank0])
+                ]
                 ray.wait(peer, num_returns=len(peer), timeout=30)
             except ray.exceptions.RayError:
                 peer = None
@@ -191,18 +209,35 @@ class Membership:
             try:
                 ray.get([w.attach.remote(self.driver, self.schedule) for w in r.workers])
                 W = len(r.workers)
-                zero = ray.get([w.join.remote(refs, versions, step, positions[rank],
-                                              peer and [peer[rank if len(peer) > 1 else 0]], r.slot * W + rank)
-                                for rank, w in enumerate(r.workers)])
+                zero = ray.get(
+                    [
+                        w.join.remote(
+                            refs,
+                            versions,
+                            step,
+                            positions[rank],
+                            peer and [peer[rank if len(peer) > 1 else 0]],
+                            r.slot * W + rank,
+                        )
+                        for rank, w in enumerate(r.workers)
+                    ]
+                )
             except ray.exceptions.RayError as e:
                 stop_replicas([r])
                 self._count_failure(r.index, f"failed while joining: {error_cause(e)}")
                 continue
             self.live.append(r)
             self.live.sort(key=lambda x: x.index)
-            ray.get(self.driver.add_member.remote(r.index, step, slot=r.slot,
-                                                  admit_s=round(time.monotonic() - lc.requested, 3),
-                                                  pseudo_gradient_sha256=zero[0][0], inner_state=zero[0][1]))
+            ray.get(
+                self.driver.add_member.remote(
+                    r.index,
+                    step,
+                    slot=r.slot,
+                    admit_s=round(time.monotonic() - lc.requested, 3),
+                    pseudo_gradient_sha256=zero[0][0],
+                    inner_state=zero[0][1],
+                )
+            )
 
     def lose(self, r: Replica, reason: str, kind: str = "death") -> None:
         """Remove a replica that died (``kind="death"``) or is asked to leave (``"leave"``): the
@@ -218,9 +253,11 @@ class Membership:
         try:  # first the driver: when it is the one that died, the replicas are not to blame
             ray.get(self.driver.ping.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            raise ClusterError(f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: "
-                               f"{error_cause(e)} (resume the run with --resume RUN_DIR: it restarts from the "
-                               "last checkpoint)") from None
+            raise ClusterError(
+                f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: "
+                f"{error_cause(e)} (resume the run with --resume RUN_DIR: it restarts from the "
+                "last checkpoint)"
+            ) from None
         self.live.remove(r)
         stop_replicas([r])
         ray.get(self.driver.remove_member.remote(r.index, reason, kind))
@@ -233,8 +270,10 @@ class Membership:
         if not recorded:
             self._event("death", replica, reason=reason)
         if self.failures > self.cfg.diloco.max_failures:
-            raise ClusterError(f"diloco.max_failures = {self.cfg.diloco.max_failures}: {self.failures} replica "
-                               f"failures in this run, the last: replica {replica} {reason}")
+            raise ClusterError(
+                f"diloco.max_failures = {self.cfg.diloco.max_failures}: {self.failures} replica "
+                f"failures in this run, the last: replica {replica} {reason}"
+            )
 
     def take_events(self) -> list[dict[str, Any]]:
         """Trainer-side events since the last call."""

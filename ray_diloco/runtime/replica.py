@@ -23,35 +23,55 @@ import hashlib
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import ray
 import torch
 
-from ray_diloco.config import load_config
 from ray_diloco.components.data import ShardReader
 from ray_diloco.components.evaluate import evaluate_loss, run_autocast
-from ray_diloco.core.fragments import (Fragment, ParamSpec, flatten, fragment_plan, param_specs, plan_fragments,
-                                       tensor_hash, unflatten_into)
+from ray_diloco.config import load_config
+from ray_diloco.core.fragments import (
+    Fragment,
+    ParamSpec,
+    flatten,
+    fragment_plan,
+    param_specs,
+    plan_fragments,
+    tensor_hash,
+    unflatten_into,
+)
 from ray_diloco.core.schedules import SyncSchedule, inner_lr
 from ray_diloco.core.shards import rank_fragment
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import FragmentSync
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.errors import ClusterError, ConfigError
-from ray_diloco.models.transformer import ModelFn, build_model, lm_loss, logits_of, make_inner_optimizer, resolve_model_shape
+from ray_diloco.models.transformer import (
+    ModelFn,
+    build_model,
+    lm_loss,
+    logits_of,
+    make_inner_optimizer,
+    resolve_model_shape,
+)
 from ray_diloco.runtime.link import Link, fetch_global
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
 #: The worker actor's concurrency group for calls that must be answered while ``train`` runs
 #: (they touch no training state); every other call runs one at a time on the default group.
 CONTROL_GROUP = "control"
 
 
-def _dp_emulation_hook(worker: "ReplicaWorker"):
+def _dp_emulation_hook(worker: ReplicaWorker):
     """DDP comm hook for the DP baseline under WAN emulation (``ReplicaWorker(allreduce_emulation=True)``):
     the real all-reduce, plus the emulated time of a ring all-reduce of the bucket (each rank
     sends and receives ``2 (R-1)/R`` of the bucket's bytes over ``2 (R-1)`` hops), slept after
@@ -81,11 +101,13 @@ def worker_device(gpus_per_worker: float) -> tuple[torch.device, str | None]:
     return torch.device("cpu"), (
         f"diloco.gpus_per_worker = {gpus_per_worker:g}: torch {torch.__version__} on node "
         f"{socket.gethostname()} has no CUDA (torch.cuda.is_available() is False); install a CUDA build "
-        "of torch on the GPU nodes, or set diloco.gpus_per_worker=0 to train on CPUs")
+        "of torch on the GPU nodes, or set diloco.gpus_per_worker=0 to train on CPUs"
+    )
 
 
-def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[torch.nn.Module, torch.device,
-                                                                              Exception | None]:
+def worker_model(
+    cfg: Any, vocab_size: int, model_fn: ModelFn | None
+) -> tuple[torch.nn.Module, torch.device, Exception | None]:
     """The worker's model built on its device (``torch.cuda.set_device`` first on a GPU), with
     ``run.activation_checkpointing`` (transformers' non-reentrant activation checkpointing of every
     decoder block), and the problem the worker's ``setup`` reports: ``ClusterError`` (GPUs asked
@@ -103,11 +125,16 @@ def worker_model(cfg: Any, vocab_size: int, model_fn: ModelFn | None) -> tuple[t
         new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; 4.x: gradient_...
         old = getattr(model, "gradient_checkpointing_enable", None)
         if (new is None and old is None) or not getattr(model, "supports_gradient_checkpointing", False):
-            problem = problem or ConfigError([f"run.activation_checkpointing = true: the model ({type(model).__name__}) "
-                                              "has no transformers activation checkpointing; set it to false"])
+            problem = problem or ConfigError(
+                [
+                    f"run.activation_checkpointing = true: the model ({type(model).__name__}) "
+                    "has no transformers activation checkpointing; set it to false"
+                ]
+            )
         elif new is not None:
             new({"use_reentrant": False})
         else:
+            assert old is not None  # the first branch takes a model with neither
             old(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, device, problem
 
@@ -131,25 +158,37 @@ def to_host(obj: Any, copy_tensors: bool = True) -> Any:
     return copy.deepcopy(obj)
 
 
-def accumulate_gradients(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int, z_loss: float,
-                         autocast: Any, device: torch.device) -> torch.Tensor:
+def accumulate_gradients(
+    net: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    micro: int,
+    z_loss: float,
+    autocast: Any,
+    device: torch.device,
+) -> torch.Tensor:
     """Forward and backward of the batch ``x``, ``y`` (int64 ``[B, T]``, host) in passes of
     ``micro`` sequences (``micro`` divides B); each pass's loss is scaled by ``micro / B`` so the
     accumulated gradient is the whole batch's. A DDP ``net`` reduces gradients on the last pass only.
     Returns the batch's mean cross-entropy (nats/token), a fp32 scalar on ``device``."""
     n = x.shape[0] // micro
-    ce_sum = None
+    ce_sum: torch.Tensor | None = None
     for j in range(n):
-        xm, ym = x[j * micro:(j + 1) * micro], y[j * micro:(j + 1) * micro]
+        xm, ym = x[j * micro : (j + 1) * micro], y[j * micro : (j + 1) * micro]
         if hasattr(net, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last pass only
-            net.set_requires_gradient_sync(j == n - 1)
-        quiet = net.no_sync() if n > 1 and j < n - 1 and hasattr(net, "no_sync") else nullcontext()
+            cast("FSDPModule", net).set_requires_gradient_sync(j == n - 1)
+        quiet = (
+            cast("DistributedDataParallel", net).no_sync()
+            if n > 1 and j < n - 1 and hasattr(net, "no_sync")
+            else nullcontext()
+        )
         with quiet:
             with autocast():
                 logits = logits_of(net(xm.to(device, non_blocking=True)))
             loss, ce = lm_loss(logits, ym.to(device, non_blocking=True), z_loss)
             (loss / n if n > 1 else loss).backward()
         ce_sum = ce.detach() if ce_sum is None else ce_sum + ce.detach()
+    assert ce_sum is not None  # micro divides the batch: at least one pass
     return ce_sum / n if n > 1 else ce_sum
 
 
@@ -198,10 +237,24 @@ class WorkerState:
     driver's global fragments. The base of :class:`ReplicaWorker` (which sets every attribute
     used here: ``params``, ``sync_fragments``, ``sync``, ``optimizer``, ``reader``, ``fsdp``)."""
 
+    # set by ReplicaWorker (declared here for the type checker; no values)
+    replica: int
+    rank: int
+    world_size: int
+    fsdp: bool
+    device: torch.device
+    specs: list[ParamSpec]
+    params: dict[str, torch.Tensor]
+    sync_fragments: list[Fragment]
+    optimizer: torch.optim.Optimizer
+    sync: FragmentSync
+    reader: ShardReader | None
+    settle: Callable[[], int]
+
     def _units(self, per_unit: list[Any]) -> list[Any]:
         """This worker's entries, one per fragment, of a list over the outer exchange's units
         (FSDP: unit ``f * W + rank`` is its part of fragment f; DDP: the fragments)."""
-        return per_unit[self.rank::self.world_size] if self.fsdp else per_unit
+        return per_unit[self.rank :: self.world_size] if self.fsdp else per_unit
 
     def _load_optimizer(self, state: dict[str, Any]) -> None:
         if self.fsdp:
@@ -247,8 +300,14 @@ class WorkerState:
         state, local parameters (identical on every rank of a replica, so only rank 0 sends them)
         and the link's error-feedback ``residuals``."""
         self.settle()  # syncs in flight are answered, so residuals and the driver are settled
-        state = {"replica": self.replica, "rank": self.rank, "data": self.reader.state(),
-                 "torch_rng": torch.get_rng_state(), **self.sync.state_dict(residuals=full)}
+        assert self.reader is not None  # opened by setup
+        state = {
+            "replica": self.replica,
+            "rank": self.rank,
+            "data": self.reader.state(),
+            "torch_rng": torch.get_rng_state(),
+            **self.sync.state_dict(residuals=full),
+        }
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if full:
@@ -267,15 +326,16 @@ class WorkerState:
         loaded from the driver, at their original merge step."""
         self.load_local(state["local"])
         self._load_optimizer(state["optimizer"])
+        assert self.reader is not None  # opened by setup
         self.reader.load_state(state["data"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.sync.load_state_dict(state)
 
-
-    def save_state(self, path: str, full: bool = True, token: str | None = None,
-                   upload: str | None = None) -> dict[str, Any]:
+    def save_state(
+        self, path: str, full: bool = True, token: str | None = None, upload: str | None = None
+    ) -> dict[str, Any]:
         """Write :meth:`state_dict` (``full`` as there) with ``checkpoint_id`` ``token`` to ``path``,
         a file of a checkpoint's temporary directory, from this process: the state never travels to
         the job's process; with ``upload`` (the file's URI in ``run.storage_path``) also copy it
@@ -301,8 +361,9 @@ class WorkerState:
             info.update({"uploaded": True} if problem is None else {"upload_error": problem})
         return info
 
-    def restore_state(self, own: dict[str, Any], full: dict[str, Any] | None = None,
-                      checkpoint_id: str | None = None) -> bool:
+    def restore_state(
+        self, own: dict[str, Any], full: dict[str, Any] | None = None, checkpoint_id: str | None = None
+    ) -> bool:
         """:meth:`load_state_dict` from this worker's entry of a checkpoint: ``own`` is its file
         (``{"file", "bytes"}``: read here, not in the job's process) or the state itself; ``full``
         (the same kinds) holds the inner-optimiser state and local parameters when ``own`` has
@@ -345,7 +406,7 @@ class ReplicaWorker(WorkerState):
     """
 
     def __init__(self, config: dict[str, Any], replica: int, rank: int, world_size: int, shard: int,
-                 num_shards: int, vocab_size: int, model_fn: ModelFn | None = None, allreduce_emulation: bool = False):
+                 num_shards: int, vocab_size: int, model_fn: ModelFn | None = None, allreduce_emulation: bool = False):  # fmt: skip
         self.cfg = load_config(config, validate=False)
         self.replica, self.rank, self.world_size = replica, rank, world_size
         self.shard, self.num_shards = shard, num_shards
@@ -363,7 +424,7 @@ class ReplicaWorker(WorkerState):
         except ValueError:  # reported by the trainer (ConfigError) before any training
             self.fragments = plan_fragments(self.specs, 1)
         self.fsdp = self.cfg.exchange_units > 1 and world_size > 1
-        self.params = dict(self.model.named_parameters())
+        self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         self.sync_fragments = self.fragments  # what this worker exchanges of each fragment (FSDP: its rows)
         self.dp_bytes, self.dp_delay_s = 0, 0.0
         self.optimizer = make_inner_optimizer(self.model, self.cfg)
@@ -388,6 +449,7 @@ class ReplicaWorker(WorkerState):
         if self.problem is not None:
             raise self.problem
         if self.world_size > 1:
+            assert master is not None  # rank 0's TCPStore address: the launcher passes it to every rank
             self.group = _init_group(master, self.rank, self.world_size, self.device, self.cfg.diloco.pg_timeout_s)
         if self.fsdp:
             self._shard()
@@ -399,17 +461,24 @@ class ReplicaWorker(WorkerState):
             if self.allreduce_emulation and (net.bandwidth_gbps or net.latency_ms):
                 self.net.register_comm_hook(None, _dp_emulation_hook(self))
         if self.cfg.run.compile:
-            self.net = torch.compile(self.net)
+            self.net = cast(torch.nn.Module, torch.compile(self.net))
         self.reader = ShardReader(train_tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
         self.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(self.device)}
 
     def _new_sync(self) -> FragmentSync:
         # on_reset a lambda: torch's load_state_dict replaces optimizer.state, so no bound method of it
-        return FragmentSync(self.params, self.sync_fragments, alpha=self.cfg.streaming.alpha,
-                            batch=self.cfg.batch_per_worker, seq_len=self.cfg.data.seq_len,
-                            world_size=self.world_size, rank=0 if self.fsdp else self.rank,
-                            trace=self.cfg.run.trace_syncs, on_reset=lambda: self.optimizer.state.clear())
+        return FragmentSync(
+            self.params,
+            self.sync_fragments,
+            alpha=self.cfg.streaming.alpha,
+            batch=self.cfg.batch_per_worker,
+            seq_len=self.cfg.data.seq_len,
+            world_size=self.world_size,
+            rank=0 if self.fsdp else self.rank,
+            trace=self.cfg.run.trace_syncs,
+            on_reset=lambda: self.optimizer.state.clear(),
+        )
 
     def _shard(self) -> None:
         """``diloco.sharding: fsdp``: FSDP2 over the replica's group (``runtime.fsdp``); this
@@ -432,6 +501,7 @@ class ReplicaWorker(WorkerState):
     def data_windows(self) -> np.ndarray:
         """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch."""
         r = self.reader  # either window order: a numpy permutation's or a Feistel permutation's
+        assert r is not None  # opened by setup
         return np.asarray(r._windows(r.epoch, np.arange(r.per_shard, dtype=np.int64)), dtype=np.int64)
 
     def param_specs(self) -> list[ParamSpec]:
@@ -452,7 +522,7 @@ class ReplicaWorker(WorkerState):
         staging = DeviceStaging(self.device) if self.device.type == "cuda" and s.device_globals else None
         self.sync.attach(schedule, Link(driver, self.replica, self.rank, s.quantization, s.error_feedback,
                                         n.bandwidth_gbps, n.latency_ms, k, self.sync.buffers,
-                                        units=self.world_size if self.fsdp else 1, staging=staging), staging)
+                                        units=self.world_size if self.fsdp else 1, staging=staging), staging)  # fmt: skip
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
@@ -464,8 +534,15 @@ class ReplicaWorker(WorkerState):
         optimiser state is cleared (used after a rejected, non-finite pseudo-gradient)."""
         self.sync.reset_to_global()
 
-    def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
-             peer_state: list[Any] | None = None, shard: int | None = None) -> tuple[str, str]:
+    def join(
+        self,
+        global_refs: list[Any],
+        versions: list[int],
+        step: int,
+        reader_state: dict | None,
+        peer_state: list[Any] | None = None,
+        shard: int | None = None,
+    ) -> tuple[str, str]:
         """Start as a joiner at inner step ``step``: local and global parameters <- the driver's
         global fragments (object refs of fp32 ``[numel_p]``) at ``versions``; the inner optimiser
         from ``peer_state`` (a list holding the object ref of a live peer's
@@ -475,6 +552,7 @@ class ReplicaWorker(WorkerState):
         Returns the sha256 of the pseudo-gradient ``global - local`` of every fragment (zero) and
         where the inner optimiser state came from (``peer`` or ``fresh``)."""
         self.sync.join([fetch_global(g) for g in self._units(global_refs)], self._units(versions), step)
+        assert self.reader is not None  # opened by setup
         state = None
         if peer_state:
             try:
@@ -487,8 +565,9 @@ class ReplicaWorker(WorkerState):
             self.optimizer.state.clear()
         if shard is not None and shard != self.shard:
             self.shard = shard
-            self.reader = ShardReader(self.reader.tokens, self.cfg.data.seq_len, shard, self.num_shards,
-                                      self.cfg.run.seed)
+            self.reader = ShardReader(
+                self.reader.tokens, self.cfg.data.seq_len, shard, self.num_shards, self.cfg.run.seed
+            )
         if reader_state is not None:
             self.reader.load_state(reader_state)
         return self.sync.pseudo_gradient_hash(), "peer" if state is not None else "fresh"
@@ -506,6 +585,7 @@ class ReplicaWorker(WorkerState):
         lr = inner_lr(step, i.lr, i.warmup_steps, self.cfg.run.steps, i.min_lr_ratio)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        assert self.reader is not None  # opened by setup
         x, y, idx = self.reader.next_batch(self.cfg.batch_per_worker)
         digest.update(idx.tobytes())
         ce = accumulate_gradients(self.net, x, y, self.cfg.micro_batch, self.z_loss, self._autocast, self.device)
@@ -544,17 +624,26 @@ class ReplicaWorker(WorkerState):
             sync_s += time.perf_counter() - t1
         wall_s = time.perf_counter() - t_begin
         train_loss = _mean_over_ranks(total_loss / max(1, end - start), self.world_size if self.group else 1)
-        link = self.sync.link_metrics(comm0) if self.sync.attached else \
-            {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0}
+        link = (
+            self.sync.link_metrics(comm0)
+            if self.sync.attached
+            else {"bytes_up": self.dp_bytes - dp_bytes0, "bytes_down": self.dp_bytes - dp_bytes0}
+        )
+        assert self.reader is not None  # opened by setup
         return {
-            "replica": self.replica, "rank": self.rank, "train_loss": train_loss, "inner_lr": lr, "steps": end - start,
+            "replica": self.replica,
+            "rank": self.rank,
+            "train_loss": train_loss,
+            "inner_lr": lr,
+            "steps": end - start,
             "tokens": (end - start) * self.cfg.batch_per_worker * self.cfg.data.seq_len * self.world_size,
             "compute_s": compute_s,
             "sync_s": sync_s,  # training-thread seconds in sends, merges and waits
             "sync_wait_s": wait_s,  # of which blocked on the link (exposed communication)
             "wall_s": wall_s,
             "link": link,
-            "data_digest": digest.hexdigest(), "reader": self.reader.state(),
+            "data_digest": digest.hexdigest(),
+            "reader": self.reader.state(),
         }
 
     # -- evaluation ------------------------------------------------------------------------
@@ -572,14 +661,22 @@ class ReplicaWorker(WorkerState):
         try:
             # FSDP: every forward gathers parameters with the replica's other ranks: as many as theirs
             most = _max_over_ranks(-(-len(windows) // self.cfg.run.eval_batch), self.device) if self.fsdp else 0
-            return evaluate_loss(self.model, self.val_tokens, self.cfg.data.seq_len, windows,
-                                 self.cfg.run.eval_batch, self._autocast, min_batches=most)
+            assert self.val_tokens is not None  # set by setup
+            return evaluate_loss(
+                self.model,
+                self.val_tokens,
+                self.cfg.data.seq_len,
+                windows,
+                self.cfg.run.eval_batch,
+                self._autocast,
+                min_batches=most,
+            )
         finally:
             if saved is not None:
                 for f, v in zip(self.sync_fragments, saved):
                     unflatten_into(self.params, f, v)
             if self.fsdp:  # no backward resharded the root group: drop its gathered (global) copy
-                self.model.reshard()
+                cast("FSDPModule", self.model).reshard()
 
     def shutdown(self) -> None:
         """Stop the link thread and leave the replica's process group."""
@@ -592,4 +689,5 @@ class ReplicaWorker(WorkerState):
 
 
 #: The worker as a Ray actor class (options such as CPUs and placement are set per actor).
-ReplicaWorkerActor = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ReplicaWorker)
+# (Ray's typed overloads of ray.remote leave out concurrency_groups, a documented actor option)
+ReplicaWorkerActor = ray.remote(concurrency_groups={CONTROL_GROUP: 1})(ReplicaWorker)  # type: ignore[call-overload]

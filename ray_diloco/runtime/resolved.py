@@ -39,8 +39,11 @@ class ResolvedRun:
     def resolve(cls, cfg: Config, steps: int | None = None) -> ResolvedRun:
         """Pin ``cfg``'s model shape (on a copy) and take ``steps`` (default ``run.steps``)."""
         pinned = pin_model_fields(dataclasses.replace(cfg.model))
-        return cls(cfg.run.steps if steps is None else int(steps), {f: getattr(pinned, f) for f in SHAPE_FIELDS},
-                   cfg.diloco.cpus_per_worker)
+        return cls(
+            cfg.run.steps if steps is None else int(steps),
+            {f: getattr(pinned, f) for f in SHAPE_FIELDS},
+            cfg.diloco.cpus_per_worker,
+        )
 
     def with_cpus(self, cpus: float) -> ResolvedRun:
         """The same with the CPUs per worker the cluster gives."""

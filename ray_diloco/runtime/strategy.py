@@ -155,8 +155,10 @@ class DiLoCoSync(SyncStrategy):
     def layout(cfg: Config, members: list[tuple[int, int, int]] | None = None) -> Layout:
         from ray_diloco.runtime.cluster import initial_members, replica_strategy
 
-        return [(m, slot, j, cfg.diloco.workers_per_replica, replica_strategy(cfg))
-                for m, slot, j in initial_members(cfg, members)]
+        return [
+            (m, slot, j, cfg.diloco.workers_per_replica, replica_strategy(cfg))
+            for m, slot, j in initial_members(cfg, members)
+        ]
 
     @staticmethod
     def workers(cfg: Config) -> int:
@@ -168,11 +170,15 @@ class DiLoCoSync(SyncStrategy):
 
     def header(self, target: int) -> list[str]:
         c = self.cfg
-        lines = [f"M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), H={c.diloco.H}, "
-                 f"{c.run.steps} inner steps ({c.num_outer_steps} outer)"]
+        lines = [
+            f"M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), H={c.diloco.H}, "
+            f"{c.run.steps} inner steps ({c.num_outer_steps} outer)"
+        ]
         if c.diloco.min_replicas > 1 or target > c.diloco.replicas:
-            lines.append(f"elastic: quorum {c.diloco.min_replicas}, up to {target} replicas, "
-                         f"sync timeout {c.diloco.sync_timeout_s:g} s")
+            lines.append(
+                f"elastic: quorum {c.diloco.min_replicas}, up to {target} replicas, "
+                f"sync timeout {c.diloco.sync_timeout_s:g} s"
+            )
         return lines
 
     def check_fragments(self, num_fragments: int) -> list[str]:
@@ -196,11 +202,13 @@ class DiLoCoSync(SyncStrategy):
 
         c, rs = self.cfg, resume_state
         self.num_params = trainer.num_params
-        self.schedule = SyncSchedule(c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps,
-                                     c.streaming.closing_round)
+        self.schedule = SyncSchedule(
+            c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps, c.streaming.closing_round
+        )
         r0, units = trainer.replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
         outer = rs["outer"] if rs is not None else None
         if outer is not None and "file" in outer:  # the checkpoint's outer.pt: read by the driver itself
+            assert rs is not None  # outer came from it
             if ray.get(self.driver.load_state_file.remote(outer, rs.get("checkpoint_id"))):
                 outer = None
             else:  # not visible from the driver's node: read here, sent
@@ -209,8 +217,13 @@ class DiLoCoSync(SyncStrategy):
                 trainer.log(f"note: the outer-optimiser driver does not see {outer['file']}: it is read here")
                 outer = read_state_file(Path(outer["file"]))
         if outer is not None or rs is None:
-            initial = outer["global"] if outer is not None else \
-                [r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)]
+            initial = (
+                outer["global"]
+                if outer is not None
+                else [
+                    r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)
+                ]
+            )
             ray.get(self.driver.init_global.remote(initial))
             if outer is not None:
                 ray.get(self.driver.load_state_dict.remote(outer))
@@ -242,6 +255,7 @@ class DiLoCoSync(SyncStrategy):
         import ray
 
         trainer.members.note_positions(metrics)
+        assert self.schedule is not None  # set by start
         merged_by = end if end >= self.cfg.run.steps else end - self.schedule.overlap
         rounds = ray.get(self.driver.take_stats.remote(merged_by))
         if rounds:
@@ -282,14 +296,19 @@ class DiLoCoSync(SyncStrategy):
         out_dir = out_dir.resolve()
         token = place_marker(out_dir)
         try:
-            files = ray.get(self.driver.export_weights.remote(str(out_dir), trainer.fragments, self.cfg.exchange_units,
-                                                              dtype, token))
+            files = ray.get(
+                self.driver.export_weights.remote(
+                    str(out_dir), trainer.fragments, self.cfg.exchange_units, dtype, token
+                )
+            )
         finally:
             (out_dir / MARKER).unlink(missing_ok=True)
         seen = files is not None and all(visible_file({"file": str(out_dir / f), "bytes": n}) for f, n in files.items())
         if not seen:
-            trainer.log(f"note: the outer-optimiser driver's node does not see {out_dir}: "
-                        "the exported weights are written by this process")
+            trainer.log(
+                f"note: the outer-optimiser driver's node does not see {out_dir}: "
+                "the exported weights are written by this process"
+            )
         return seen
 
     def global_params(self, trainer: Any) -> list[np.ndarray]:
@@ -338,8 +357,10 @@ class DataParallelSync(SyncStrategy):
 
     def header(self, target: int) -> list[str]:
         c = self.cfg
-        return [f"DDP over {c.diloco.replicas * c.diloco.workers_per_replica} worker(s), {c.run.steps} inner steps "
-                f"(metrics every {c.diloco.H}: {c.num_outer_steps} rounds)"]
+        return [
+            f"DDP over {c.diloco.replicas * c.diloco.workers_per_replica} worker(s), {c.run.steps} inner steps "
+            f"(metrics every {c.diloco.H}: {c.num_outer_steps} rounds)"
+        ]
 
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
         return metrics, (end - start) * self.cfg.inner.global_batch * self.cfg.data.seq_len  # one group, one batch
@@ -363,10 +384,12 @@ def round_fields(rounds: list[dict[str, Any]], units: int = 1) -> dict[str, Any]
             sq[m] = sq.get(m, 0.0) + v * v
         key = f"fragment_{r['fragment'] // units}"
         per_fragment[key] = per_fragment.get(key, 0) + r["bytes_up"] + r["bytes_down"]
-    return {"outer_update_norm": float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds))),
-            "pseudo_grad_norm": {f"replica_{m}": float(np.sqrt(v)) for m, v in sorted(sq.items())},
-            "fragment_syncs": len(rounds) // units,
-            "sync_bytes_fragment": per_fragment}
+    return {
+        "outer_update_norm": float(np.sqrt(sum(r["update_norm"] ** 2 for r in rounds))),
+        "pseudo_grad_norm": {f"replica_{m}": float(np.sqrt(v)) for m, v in sorted(sq.items())},
+        "fragment_syncs": len(rounds) // units,
+        "sync_bytes_fragment": per_fragment,
+    }
 
 
 STRATEGIES: dict[str, type[SyncStrategy]] = {"diloco": DiLoCoSync, "dp": DataParallelSync}

@@ -41,8 +41,7 @@ class Supervisor:
             list of live replicas, shared with the trainer). log: where messages go.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership,
-                 log: Callable[[str], None]):
+    def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership, log: Callable[[str], None]):
         self.cfg, self.run_dir, self.sync, self.members, self.log = cfg, run_dir, sync, members, log
         self.slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
 
@@ -105,11 +104,15 @@ class Supervisor:
             return None
         now = time.monotonic()
         if first_done is not None and now - first_done > straggler_s:
-            return (f"still training {straggler_s:g} s after the other replicas finished the outer step "
-                    "(diloco.sync_timeout_s)")
+            return (
+                f"still training {straggler_s:g} s after the other replicas finished the outer step "
+                "(diloco.sync_timeout_s)"
+            )
         if first_done is None and self.slowest_round is not None and now - t0 > 2 * self.slowest_round + straggler_s:
-            return (f"no replica finished the outer step within {2 * self.slowest_round + straggler_s:.0f} s "
-                    "(twice the slowest one so far + diloco.sync_timeout_s)")
+            return (
+                f"no replica finished the outer step within {2 * self.slowest_round + straggler_s:.0f} s "
+                "(twice the slowest one so far + diloco.sync_timeout_s)"
+            )
         return None
 
     def on_live(self, method: str, args_of: Any) -> dict[tuple[int, int], Any]:
@@ -164,8 +167,10 @@ class Supervisor:
         deadline = time.monotonic() + self.cfg.diloco.placement_timeout_s
         while not m.live:
             if time.monotonic() > deadline:
-                raise ClusterError(f"diloco.placement_timeout_s = {self.cfg.diloco.placement_timeout_s:g}: no replica "
-                                   "is alive and none could be started again in time")
+                raise ClusterError(
+                    f"diloco.placement_timeout_s = {self.cfg.diloco.placement_timeout_s:g}: no replica "
+                    "is alive and none could be started again in time"
+                )
             time.sleep(0.2)
             m.admit(m.poll(), step, self.settle)
 
@@ -178,8 +183,10 @@ class Supervisor:
             if ev["event"] not in ("launch", "round_failed"):
                 self.log(f"membership: {describe_event(ev)}")
         if failed:  # one line per outer step: with a small H these come every step
-            self.log(f"membership: {len(failed)} sync round(s) failed in outer step {row['outer_step']} (the last: "
-                     f"{describe_event(failed[-1])})")
+            self.log(
+                f"membership: {len(failed)} sync round(s) failed in outer step {row['outer_step']} (the last: "
+                f"{describe_event(failed[-1])})"
+            )
 
 
 class _Watchdog:
@@ -203,6 +210,8 @@ class _Watchdog:
         elif ray.wait([self.ping], timeout=0)[0]:
             self.ping = None
         elif time.monotonic() - self.sent > self.timeout_s:
-            raise ClusterError(f"the outer-optimiser driver has not answered for {self.timeout_s:g} s "
-                               "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
-                               "last checkpoint")
+            raise ClusterError(
+                f"the outer-optimiser driver has not answered for {self.timeout_s:g} s "
+                "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
+                "last checkpoint"
+            )

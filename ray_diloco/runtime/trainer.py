@@ -92,8 +92,15 @@ class Trainer:
         resolved: what the launcher resolved (the token budget); default: ``run.steps`` as given.
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, corpus: Corpus, model_fn: ModelFn | None = None,
-                 resume_state: dict[str, Any] | None = None, resolved: ResolvedRun | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        corpus: Corpus,
+        model_fn: ModelFn | None = None,
+        resume_state: dict[str, Any] | None = None,
+        resolved: ResolvedRun | None = None,
+    ):
         self.user_cfg = cfg
         self.resolved = resolved or ResolvedRun.resolve(cfg)
         self.cfg = self.resolved.apply(cfg)  # config.yaml and checkpoints record the model trained, not a preset
@@ -133,16 +140,26 @@ class Trainer:
 
         self.resolved = self.resolved.with_cpus(check_resources(self.cfg))
         self.cfg.diloco.cpus_per_worker = self.resolved.cpus_per_worker
+        assert self.cfg.diloco.cpus_per_worker is not None  # just resolved
         if self.cfg.diloco.cpus_per_worker < 1:
-            print(f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
-                  f"({self.cfg.diloco.cpus_per_worker:g} CPU each)", file=sys.stderr)
+            print(
+                f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
+                f"({self.cfg.diloco.cpus_per_worker:g} CPU each)",
+                file=sys.stderr,
+            )
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
         rs = self.resume_state
         saved = (rs or {}).get("membership") or {}
         members = [tuple(m) for m in saved.get("members", [])] or None
         self.sync.launch(members)  # its process starts (imports) while the replicas start
-        self.replicas = start_replicas(self.cfg, refs, self.corpus.vocab_size, self.model_fn,
-                                       self.sync.layout(self.cfg, members), self.sync.allreduce_emulation(self.cfg))
+        self.replicas = start_replicas(
+            self.cfg,
+            refs,
+            self.corpus.vocab_size,
+            self.model_fn,
+            self.sync.layout(self.cfg, members),
+            self.sync.allreduce_emulation(self.cfg),
+        )
         self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
         self.members.load_state_dict(saved)
         self.replicas = self.members.live  # the same list: it changes as replicas die and join
@@ -154,8 +171,10 @@ class Trainer:
         if rs is not None:  # after the global parameters: a worker's local ones may differ from them
             self._restore_workers(rs)
             cnt = rs["counters"]
-            self.state = RunState(**{k: cnt[k] for k in RunState.__dataclass_fields__ if k in cnt and k != "evals"},
-                                  evals=[tuple(e) for e in cnt.get("evals", [])])
+            self.state = RunState(
+                **{k: cnt[k] for k in RunState.__dataclass_fields__ if k in cnt and k != "evals"},
+                evals=[tuple(e) for e in cnt.get("evals", [])],
+            )
 
     def _plan_fragments(self) -> None:
         """The fragments of the model the workers built, checked against the schedule, and the
@@ -174,11 +193,18 @@ class Trainer:
             raise ConfigError(problems)
         self.num_params = sum(s.numel for s in specs)
         tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
-        print(f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
-              f"{len(specs)} tensors, {self.num_fragments} fragment(s)", file=sys.stderr)
+        print(
+            f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
+            f"{len(specs)} tensors, {self.num_fragments} fragment(s)",
+            file=sys.stderr,
+        )
+        assert self.members is not None  # set by start
         shape, *more = self.sync.header(self.members.target)
-        print(f"{c.algorithm}: {shape}, global batch {c.inner.global_batch} x {c.data.seq_len} tokens, "
-              f"{tokens / 1e6:.2f}M tokens", file=sys.stderr)
+        print(
+            f"{c.algorithm}: {shape}, global batch {c.inner.global_batch} x {c.data.seq_len} tokens, "
+            f"{tokens / 1e6:.2f}M tokens",
+            file=sys.stderr,
+        )
         for line in more:
             print(line, file=sys.stderr)
 
@@ -198,6 +224,7 @@ class Trainer:
         """
         cfg = self.cfg
         start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
+        assert self.supervisor is not None  # set by start
         while True:
             self.supervisor.at_boundary(start)
             t0 = time.perf_counter()
@@ -217,13 +244,15 @@ class Trainer:
             row["data_digest"] = [mtr["data_digest"] for mtr in metrics]
             self.settle()
             row.update({f"{key}_sha256": v for key, v in self.sync.state_hashes().items()})
-            row["worker_global_sha256"] = self.supervisor.gather({w.global_hash.remote(): r for r in self.replicas
-                                                                  for w in r.workers})
+            row["worker_global_sha256"] = self.supervisor.gather(
+                {w.global_hash.remote(): r for r in self.replicas for w in r.workers}
+            )
         self.sync.final_fields(self, row)
         return row
 
-    def _round_fields(self, metrics: list[dict[str, Any]], wall: float, n_tokens: int, sent: int,
-                      received: int) -> dict[str, Any]:
+    def _round_fields(
+        self, metrics: list[dict[str, Any]], wall: float, n_tokens: int, sent: int, received: int
+    ) -> dict[str, Any]:
         """Loss, lr, throughput, time split and bytes of one outer step (and the running totals)."""
         st = self.state
         by_replica: dict[int, dict[str, Any]] = {}
@@ -257,6 +286,7 @@ class Trainer:
     def settle(self) -> None:
         """Wait until every sync sent so far is answered by the driver (before eval, checkpoint
         or export); a replica that fails meanwhile is removed (DiLoCo) or raises (DP)."""
+        assert self.supervisor is not None  # set by start
         self.supervisor.settle()
 
     def evaluate(self) -> float:
@@ -272,6 +302,7 @@ class Trainer:
             c = np.array_split(windows, n_workers)[i]
             return (c, globals_) if len(c) or fsdp else None
 
+        assert self.supervisor is not None  # set by start
         parts = list(self.supervisor.on_live("evaluate", chunk).values())
         total = sum(p[0] for p in parts)
         count = sum(p[1] for p in parts)
@@ -317,11 +348,14 @@ class Trainer:
         return {"wall_s": wall, "inner_compute_s": compute_total, "outer_wait_s": wait_total}
 
     def _progress(self, tracker: Tracker, k: int, last: int, row: dict[str, Any]) -> None:
-        tracker.progress(row["inner_step"] - outer_step_bounds(k, self.cfg.diloco.H, self.cfg.run.steps)[0],
-                         outer=f"{k}/{last}", loss=f"{row['train_loss']:.3f}",
-                         eval=None if self.state.last_eval is None else f"{self.state.last_eval:.3f}",
-                         tok_s=f"{row['tokens_per_s']:.0f}",
-                         replicas=f"{row['replicas_live']}/{row['replicas_target']}" if "replicas_live" in row else None)
+        tracker.progress(
+            row["inner_step"] - outer_step_bounds(k, self.cfg.diloco.H, self.cfg.run.steps)[0],
+            outer=f"{k}/{last}",
+            loss=f"{row['train_loss']:.3f}",
+            eval=None if self.state.last_eval is None else f"{self.state.last_eval:.3f}",
+            tok_s=f"{row['tokens_per_s']:.0f}",
+            replicas=f"{row['replicas_live']}/{row['replicas_target']}" if "replicas_live" in row else None,
+        )
 
     def shutdown(self) -> None:
         """Leave process groups, kill the actors, remove the placement groups. Workers still busy

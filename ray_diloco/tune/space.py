@@ -13,13 +13,25 @@ from typing import Any
 
 import yaml
 
+from ray_diloco.components.storage import join_uri, read_text
 from ray_diloco.config import Config, load_config, resolve_config_path
 from ray_diloco.errors import ConfigError
-from ray_diloco.components.storage import join_uri, read_text
 from ray_diloco.runtime.strategy import strategy_class
 
-SPACE_KEYS = ("description", "config", "set", "params", "metric", "mode", "num_samples", "scheduler", "asha",
-              "search", "resources", "max_concurrent_trials")
+SPACE_KEYS = (
+    "description",
+    "config",
+    "set",
+    "params",
+    "metric",
+    "mode",
+    "num_samples",
+    "scheduler",
+    "asha",
+    "search",
+    "resources",
+    "max_concurrent_trials",
+)
 KINDS = ("grid", "choice", "uniform", "loguniform", "randint", "geometric")
 SCHEDULERS = ("fifo", "asha")
 SEARCHES = ("basic", "optuna")
@@ -73,8 +85,12 @@ class SweepSpec:
             return list(arg)
         if kind == "geometric":
             vals = [arg["start"] * arg["factor"] ** i for i in range(int(arg["count"]))]
-            return [int(round(v)) if float(arg["start"]).is_integer() and float(arg["factor"]).is_integer() else
-                    float(f"{v:.6g}") for v in vals]
+            return [
+                int(round(v))
+                if float(arg["start"]).is_integer() and float(arg["factor"]).is_integer()
+                else float(f"{v:.6g}")
+                for v in vals
+            ]
         return None
 
     def param_space(self, for_optuna: bool = False) -> dict[str, Any]:
@@ -104,8 +120,13 @@ class SweepSpec:
         for key, p in self.params.items():
             kind, arg = next(iter(p.items()))
             grid = self.grid_values(key)
-            per_key[key] = grid if grid is not None else list(arg) if kind in ("choice", "uniform", "loguniform",
-                                                                               "randint") else []
+            per_key[key] = (
+                grid
+                if grid is not None
+                else list(arg)
+                if kind in ("choice", "uniform", "loguniform", "randint")
+                else []
+            )
         n = max([len(v) for v in per_key.values()] + [1])
         return [{k: v[i % len(v)] for k, v in per_key.items()} for i in range(n)]
 
@@ -127,6 +148,7 @@ class SweepSpec:
     def bundles(self, cfg: Config) -> list[dict[str, float]]:
         """The trial's placement group: its own bundle, then one per replica worker."""
         d = cfg.diloco
+        assert d.cpus_per_worker is not None  # trial_config fills it in
         worker = {"CPU": float(d.cpus_per_worker)}
         if d.gpus_per_worker:
             worker["GPU"] = float(d.gpus_per_worker)
@@ -166,32 +188,58 @@ def _check_param(key: str, p: Any, problems: list[str]) -> None:
         return
     kind, arg = next(iter(p.items()))
     if kind in ("grid", "choice"):
-        _need(isinstance(arg, list) and len(arg) >= 1, problems,
-              f"{where}.{kind} = {arg!r}: must be a non-empty list of values")
-        _need(not isinstance(arg, list) or not any(isinstance(x, float) and not math.isfinite(x) for x in arg), problems,
-              f"{where}.{kind} = {arg!r}: numbers must be finite")
-        _need(not isinstance(arg, list) or len(arg) <= MAX_GRID, problems,
-              f"{where}.{kind}: {len(arg) if isinstance(arg, list) else 0} values, at most {MAX_GRID}")
+        _need(
+            isinstance(arg, list) and len(arg) >= 1,
+            problems,
+            f"{where}.{kind} = {arg!r}: must be a non-empty list of values",
+        )
+        _need(
+            not isinstance(arg, list) or not any(isinstance(x, float) and not math.isfinite(x) for x in arg),
+            problems,
+            f"{where}.{kind} = {arg!r}: numbers must be finite",
+        )
+        _need(
+            not isinstance(arg, list) or len(arg) <= MAX_GRID,
+            problems,
+            f"{where}.{kind}: {len(arg) if isinstance(arg, list) else 0} values, at most {MAX_GRID}",
+        )
     elif kind in ("uniform", "loguniform", "randint"):
         ok = isinstance(arg, list) and len(arg) == 2 and all(map(_number, arg)) and arg[0] < arg[1]
-        ok = ok and (kind != "loguniform" or arg[0] > 0) and (kind != "randint" or all(float(x).is_integer() for x in arg))
-        _need(ok, problems, f"{where}.{kind} = {arg!r}: must be [low, high], finite numbers with low < high"
-              + (", both > 0" if kind == "loguniform" else ", integers" if kind == "randint" else ""))
+        ok = (
+            ok
+            and (kind != "loguniform" or arg[0] > 0)
+            and (kind != "randint" or all(float(x).is_integer() for x in arg))
+        )
+        _need(
+            ok,
+            problems,
+            f"{where}.{kind} = {arg!r}: must be [low, high], finite numbers with low < high"
+            + (", both > 0" if kind == "loguniform" else ", integers" if kind == "randint" else ""),
+        )
     elif kind == "geometric":
         ok = isinstance(arg, dict) and set(arg) == {"start", "factor", "count"}
         ok = ok and all(_number(arg[k]) for k in arg)
-        ok = ok and arg["start"] > 0 and arg["factor"] > 0 and float(arg["count"]).is_integer() \
+        ok = (
+            ok
+            and arg["start"] > 0
+            and arg["factor"] > 0
+            and float(arg["count"]).is_integer()
             and 1 <= arg["count"] <= MAX_GRID
+        )
         if ok:  # every value start * factor^i a finite non-zero float
             ends = (math.log(arg["start"]), math.log(arg["start"]) + (arg["count"] - 1) * math.log(arg["factor"]))
             ok = all(-700 < e < 700 for e in ends)
-        _need(ok, problems, f"{where}.geometric = {arg!r}: must be {{start: > 0, factor: > 0, count: integer in "
-                            f"1..{MAX_GRID}}} with every value finite")
+        _need(
+            ok,
+            problems,
+            f"{where}.geometric = {arg!r}: must be {{start: > 0, factor: > 0, count: integer in "
+            f"1..{MAX_GRID}}} with every value finite",
+        )
 
 
 def load_space(path: str | Path, overrides: list[str] | None = None, name: str | None = None,
                storage_path: str | None = None, scheduler: str | None = None, search: str | None = None,
-               num_samples: int | None = None, max_concurrent: int | None = None) -> SweepSpec:
+               num_samples: int | None = None, max_concurrent: int | None = None) -> SweepSpec:  # fmt: skip
     """Read and check a search-space YAML; CLI options override its fields.
 
     Raises:
@@ -200,8 +248,9 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     """
     p = Path(path).expanduser()
     if p.is_dir():
-        raise ConfigError([f"--space {path}: is a directory; expected a search-space YAML file such as "
-                           "tune_spaces/cpu_outer_lr.yaml"])
+        raise ConfigError(
+            [f"--space {path}: is a directory; expected a search-space YAML file such as tune_spaces/cpu_outer_lr.yaml"]
+        )
     if not p.is_file():
         raise ConfigError([f"--space {path}: file not found"])
     try:
@@ -214,23 +263,23 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     for k in data:
         if k not in SPACE_KEYS:
             problems.append(f"{k}: unknown search-space key (allowed: {', '.join(SPACE_KEYS)})")
-    params = data.get("params")
+    params: Any = data.get("params")  # any YAML value: _check_options reports a wrong one
     fixed = data.get("set") or {}
     if not isinstance(fixed, dict):
         problems.append(f"set = {fixed!r}: must be a mapping of dotted config fields to values")
         fixed = {}
     base = data.get("config")
     if base is not None:  # a path relative to the space file, or a preset name
-        rel = (p.parent / str(base))
+        rel = p.parent / str(base)
         base = str(rel.resolve()) if rel.is_file() else str(base)
     params = {str(k): v for k, v in params.items()} if isinstance(params, dict) else params  # else: reported below
     spec = SweepSpec(params=params, config=base,
-                     set={str(k): v for k, v in fixed.items()}, description=str(data.get("description") or ""))
+                     set={str(k): v for k, v in fixed.items()}, description=str(data.get("description") or ""))  # fmt: skip
     for k in ("metric", "mode", "num_samples", "scheduler", "asha", "search", "resources", "max_concurrent_trials"):
         if data.get(k) is not None:
             setattr(spec, k, data[k])
     for k, v in (("scheduler", scheduler), ("search", search), ("num_samples", num_samples),
-                 ("max_concurrent_trials", max_concurrent)):
+                 ("max_concurrent_trials", max_concurrent)):  # fmt: skip
         if v is not None:
             setattr(spec, k, v)
     for item in overrides or []:
@@ -242,7 +291,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     _check_options(spec, problems)
     if name is not None:
         _need(bool(name) and set(name) <= NAME_CHARS and name not in (".", "..") and len(name) <= 100, problems,
-              f"--name {name!r}: must be 1-100 letters, digits, '.', '_' or '-' (it names a directory)")
+              f"--name {name!r}: must be 1-100 letters, digits, '.', '_' or '-' (it names a directory)")  # fmt: skip
     if problems:
         raise ConfigError(problems)
     # swept and fixed keys must be config fields with values of the right type (checked with
@@ -262,7 +311,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     from ray_diloco.components.storage import is_uri
 
     root = storage_path or str(Path(load_config(spec.config, [f"{k}={fmt_value(v)}" for k, v in spec.set.items()],
-                                                validate=False).run.output_dir) / "sweeps")
+                                                validate=False).run.output_dir) / "sweeps")  # fmt: skip
     spec.storage_path = root if is_uri(root) else str(Path(root).expanduser().resolve())
     _absolute_paths(spec)
     return spec
@@ -272,15 +321,27 @@ def _check_options(spec: SweepSpec, problems: list[str]) -> None:
     """The sweep options' checks (not the parameters): one line each into ``problems``."""
     _need(spec.metric in METRICS, problems, f"metric = {spec.metric!r}: must be one of {', '.join(METRICS)}")
     _need(spec.mode in ("min", "max"), problems, f"mode = {spec.mode!r}: must be min or max")
-    _need(_integer(spec.num_samples) and 1 <= spec.num_samples <= MAX_GRID, problems,
-          f"num_samples = {spec.num_samples!r}: must be an integer in 1..{MAX_GRID}")
-    _need(spec.scheduler in SCHEDULERS, problems, f"scheduler = {spec.scheduler!r}: must be one of {', '.join(SCHEDULERS)}")
+    _need(
+        _integer(spec.num_samples) and 1 <= spec.num_samples <= MAX_GRID,
+        problems,
+        f"num_samples = {spec.num_samples!r}: must be an integer in 1..{MAX_GRID}",
+    )
+    _need(
+        spec.scheduler in SCHEDULERS,
+        problems,
+        f"scheduler = {spec.scheduler!r}: must be one of {', '.join(SCHEDULERS)}",
+    )
     _need(spec.search in SEARCHES, problems, f"search = {spec.search!r}: must be one of {', '.join(SEARCHES)}")
-    _need(spec.max_concurrent_trials is None or (_integer(spec.max_concurrent_trials)
-                                                 and spec.max_concurrent_trials >= 1), problems,
-          f"max_concurrent_trials = {spec.max_concurrent_trials!r}: must be an integer >= 1 (or none: from the cluster)")
+    _need(
+        spec.max_concurrent_trials is None
+        or (_integer(spec.max_concurrent_trials) and spec.max_concurrent_trials >= 1),
+        problems,
+        f"max_concurrent_trials = {spec.max_concurrent_trials!r}: must be an integer >= 1 (or none: from the cluster)",
+    )
     if not isinstance(spec.asha, dict) or set(spec.asha) - {"grace_period", "reduction_factor"}:
-        problems.append(f"asha = {spec.asha!r}: allowed keys are grace_period (outer steps >= 1), reduction_factor (> 1)")
+        problems.append(
+            f"asha = {spec.asha!r}: allowed keys are grace_period (outer steps >= 1), reduction_factor (> 1)"
+        )
     else:
         g, rf = spec.asha.get("grace_period", 1), spec.asha.get("reduction_factor", 2)
         _need(_integer(g) and g >= 1, problems, f"asha.grace_period = {g!r}: must be an integer >= 1 (outer steps)")
@@ -292,8 +353,10 @@ def _check_options(spec: SweepSpec, problems: list[str]) -> None:
         for k, v in res.items():
             _need(_number(v) and v > 0, problems, f"resources.{k} = {v!r}: must be a finite number > 0 (CPUs)")
     if not isinstance(spec.params, dict) or not spec.params:
-        problems.append(f"params = {spec.params!r}: must be a non-empty mapping of config fields to "
-                        f"{{grid|choice|uniform|loguniform|randint|geometric: ...}}")
+        problems.append(
+            f"params = {spec.params!r}: must be a non-empty mapping of config fields to "
+            f"{{grid|choice|uniform|loguniform|randint|geometric: ...}}"
+        )
     else:
         before = len(problems)
         for key, p in spec.params.items():
@@ -302,8 +365,11 @@ def _check_options(spec: SweepSpec, problems: list[str]) -> None:
             trials = spec.num_samples
             for key in spec.params:
                 trials *= len(spec.grid_values(key) or [None])
-            _need(trials <= MAX_GRID, problems, f"params: the grids make {trials:,} trials (x num_samples); "
-                                                f"at most {MAX_GRID:,} per sweep")
+            _need(
+                trials <= MAX_GRID,
+                problems,
+                f"params: the grids make {trials:,} trials (x num_samples); at most {MAX_GRID:,} per sweep",
+            )
 
 
 def _absolute_paths(spec: SweepSpec) -> None:

@@ -50,11 +50,11 @@ from typing import Any
 
 import yaml
 
+from ray_diloco.components.storage import is_uri, join_uri, read_text, write_bytes, write_text
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
 from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
-from ray_diloco.components.storage import is_uri, join_uri, read_text, write_bytes, write_text
 from ray_diloco.tune.trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
@@ -68,7 +68,9 @@ def _max_outer_steps(spec: SweepSpec) -> int:
     from ray_diloco.models.transformer import budget_steps
 
     base = spec.examples()[0]
-    keys = [k for k in spec.params if k.startswith(("model.", "run.", "diloco.H", "inner.global_batch", "data.seq_len"))]
+    keys = [
+        k for k in spec.params if k.startswith(("model.", "run.", "diloco.H", "inner.global_batch", "data.seq_len"))
+    ]
     values = [spec.grid_values(k) or [v for v in spec.examples() for v in [v[k]]] for k in keys]
     most = 1
     for combo in itertools.product(*values):
@@ -117,9 +119,11 @@ def _concurrency(spec: SweepSpec) -> int:
     if n < 1:
         from ray_diloco.errors import ClusterError
 
-        raise ClusterError(f"a trial needs {need_cpu:g} CPUs and {need_gpu:g} GPUs (its driver bundle + one bundle per "
-                           f"replica worker) but the Ray cluster has {res.get('CPU', 0):g} CPUs and "
-                           f"{res.get('GPU', 0):g} GPUs: lower resources.cpus_per_worker or diloco.replicas")
+        raise ClusterError(
+            f"a trial needs {need_cpu:g} CPUs and {need_gpu:g} GPUs (its driver bundle + one bundle per "
+            f"replica worker) but the Ray cluster has {res.get('CPU', 0):g} CPUs and "
+            f"{res.get('GPU', 0):g} GPUs: lower resources.cpus_per_worker or diloco.replicas"
+        )
     return n
 
 
@@ -130,20 +134,33 @@ def _tune_config(spec: SweepSpec) -> Any:
     if spec.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        scheduler = ASHAScheduler(time_attr="outer_step", max_t=_max_outer_steps(spec),
-                                  grace_period=int(spec.asha.get("grace_period", 1)),
-                                  reduction_factor=float(spec.asha.get("reduction_factor", 2)))
+        scheduler = ASHAScheduler(
+            time_attr="outer_step",
+            max_t=_max_outer_steps(spec),
+            grace_period=int(spec.asha.get("grace_period", 1)),
+            reduction_factor=float(spec.asha.get("reduction_factor", 2)),
+        )
     if spec.search == "optuna":
         try:
             from ray.tune.search.optuna import OptunaSearch
 
             search_alg = OptunaSearch(metric=spec.metric, mode=spec.mode, seed=0)
         except (ImportError, AssertionError):
-            raise ConfigError(["search = 'optuna': needs the optuna package (pip install optuna, or "
-                               "pip install 'ray-diloco[optuna]')"]) from None
-    return tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=scheduler, search_alg=search_alg,
-                           num_samples=spec.num_samples, max_concurrent_trials=_concurrency(spec),
-                           trial_dirname_creator=lambda t: t.trial_id)
+            raise ConfigError(
+                [
+                    "search = 'optuna': needs the optuna package (pip install optuna, or "
+                    "pip install 'ray-diloco[optuna]')"
+                ]
+            ) from None
+    return tune.TuneConfig(
+        metric=spec.metric,
+        mode=spec.mode,
+        scheduler=scheduler,
+        search_alg=search_alg,
+        num_samples=spec.num_samples,
+        max_concurrent_trials=_concurrency(spec),
+        trial_dirname_creator=lambda t: t.trial_id,
+    )
 
 
 def _num_trials(spec: SweepSpec) -> int:
@@ -155,10 +172,19 @@ def _num_trials(spec: SweepSpec) -> int:
     return n
 
 
-def tune(space: str | Path | None = None, overrides: list[str] | None = None, *, resume: str | None = None,
-         name: str | None = None, storage_path: str | None = None, scheduler: str | None = None,
-         search: str | None = None, num_samples: int | None = None, max_concurrent: int | None = None,
-         address: str | None = None) -> dict[str, Any]:
+def tune(
+    space: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    resume: str | None = None,
+    name: str | None = None,
+    storage_path: str | None = None,
+    scheduler: str | None = None,
+    search: str | None = None,
+    num_samples: int | None = None,
+    max_concurrent: int | None = None,
+    address: str | None = None,
+) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) a sweep; write the results table and the best config.
 
     Returns ``{"sweep_dir", "rows", "best", "interrupted"}`` (``rows``: one dict per trial as
@@ -204,12 +230,19 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
     from ray_diloco.runtime.cluster import init_ray
 
     if not resume and read_text(join_uri(spec.sweep_dir, SPEC_FILE)) is not None:
-        raise ConfigError([f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
-                           f"--resume {spec.sweep_dir}, or choose another --name)"])
+        raise ConfigError(
+            [
+                f"--name {spec.name}: sweep directory {spec.sweep_dir} already exists (continue it with "
+                f"--resume {spec.sweep_dir}, or choose another --name)"
+            ]
+        )
     restore = resume and rt.Tuner.can_restore(spec.sweep_dir)
     if resume and not restore:
-        print(f"note: {spec.sweep_dir} holds no saved Tune state (the sweep stopped before its first trial "
-              "started): starting it from the beginning", file=sys.stderr)
+        print(
+            f"note: {spec.sweep_dir} holds no saved Tune state (the sweep stopped before its first trial "
+            "started): starting it from the beginning",
+            file=sys.stderr,
+        )
     started = init_ray(cfg0)
     # outer steps without an evaluation report eval_loss NaN; Tune's TensorBoard logger warns on each
     logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
@@ -220,18 +253,34 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # Tune saves its state
     try:
         tune_cfg = _tune_config(spec)
-        print(f"sweep {spec.name}: {_num_trials(spec)} trial(s), up to {tune_cfg.max_concurrent_trials} at once, "
-              f"scheduler {spec.scheduler}, search {spec.search}, minimising {spec.metric}", file=sys.stderr)
+        print(
+            f"sweep {spec.name}: {_num_trials(spec)} trial(s), up to {tune_cfg.max_concurrent_trials} at once, "
+            f"scheduler {spec.scheduler}, search {spec.search}, minimising {spec.metric}",
+            file=sys.stderr,
+        )
         print(f"sweep directory: {spec.sweep_dir}", file=sys.stderr)
-        run_cfg = rt.RunConfig(name=spec.name, storage_path=spec.storage_path, verbose=1,
-                               failure_config=rt.FailureConfig(max_failures=0, fail_fast=False))
+        run_cfg = rt.RunConfig(
+            name=spec.name,
+            storage_path=spec.storage_path,
+            verbose=1,
+            failure_config=rt.FailureConfig(max_failures=0, fail_fast=False),
+        )
         if restore:
-            tuner = rt.Tuner.restore(spec.sweep_dir, trainable=_trainable(spec), resume_unfinished=True,
-                                     resume_errored=False, restart_errored=False)
+            tuner = rt.Tuner.restore(
+                spec.sweep_dir,
+                trainable=_trainable(spec),
+                resume_unfinished=True,
+                resume_errored=False,
+                restart_errored=False,
+            )
         else:
             write_text(join_uri(spec.sweep_dir, SPEC_FILE), yaml.safe_dump(spec.to_dict(), sort_keys=False))
-            tuner = rt.Tuner(_trainable(spec), param_space=spec.param_space(for_optuna=spec.search == "optuna"),
-                             tune_config=tune_cfg, run_config=run_cfg)
+            tuner = rt.Tuner(
+                _trainable(spec),
+                param_space=spec.param_space(for_optuna=spec.search == "optuna"),
+                tune_config=tune_cfg,
+                run_config=run_cfg,
+            )
         grid = tuner.fit()
     finally:
         controller.removeFilter(one_line)
@@ -292,7 +341,7 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
     import json
 
     rows = []
-    saved = _saved_statuses(spec.sweep_dir)
+    saved: dict[Any, str] = _saved_statuses(spec.sweep_dir)  # looked up by trial id, which may be None
     for r, t in zip(grid, _trials(grid)):
         conf = r.config or getattr(t, "config", None) or {}  # a trial that never ran has no result config
         params = {k: conf.get(k) for k in spec.params}
@@ -301,10 +350,15 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
             cfg = spec.trial_config(params, validate=False)
         except ConfigError:
             cfg = None
-        status = saved.get(getattr(t, "trial_id", None)) or getattr(t, "status", None) or \
-            ("ERROR" if r.error else "TERMINATED")
-        row: dict[str, Any] = {"trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
-                               "status": status}
+        status = (
+            saved.get(getattr(t, "trial_id", None))
+            or getattr(t, "status", None)
+            or ("ERROR" if r.error else "TERMINATED")
+        )
+        row: dict[str, Any] = {
+            "trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
+            "status": status,
+        }
         row.update(params)
         here = spec.local_dir / "trials" / str(row["trial"])  # where it is now (the sweep may have been moved)
         run_dir = str(here) if here.is_dir() else m.get("run_dir")
@@ -315,33 +369,35 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
         if last and (m.get("outer_step") is None or last["outer_step"] > m["outer_step"]):
             # the run's own record is ahead of Tune's last result (an interruption came between them)
             m = {**m, **{k: v for k, v in last.items() if v is not None}}
-        started = bool(run_dir) and (Path(run_dir) / "config.yaml").is_file()
+        started = bool(run_dir and (Path(run_dir) / "config.yaml").is_file())
         if status == "TERMINATED" and not summary and m.get("outer_step") is not None:
             row["status"] = "STOPPED"  # by the scheduler (ASHA) before its last outer step
         elif status in ("PENDING", "RUNNING", "PAUSED") and summary:
             row["status"] = "TERMINATED"  # it finished while the sweep was being interrupted
         elif status in ("PENDING", "RUNNING", "PAUSED") and started:
             row["status"] = "INTERRUPTED"  # started, then the sweep was interrupted: --resume continues it
-        row.update({
-            "algorithm": cfg.algorithm if cfg else None,
-            "model": cfg.model.preset if cfg else None,
-            "num_parameters": summary.get("num_parameters") or _num_parameters(run_dir),
-            "replicas": strategy_class(cfg).reported_replicas(cfg) if cfg else None,
-            "H": cfg.diloco.H if cfg else None,
-            "inner_lr": cfg.inner.lr if cfg else None,
-            "outer_lr": cfg.outer.lr if cfg else None,
-            "global_batch": cfg.inner.global_batch if cfg else None,
-            "seq_len": cfg.data.seq_len if cfg else None,
-            "tokens": m.get("tokens"),
-            "final_eval_loss": m.get("eval_loss"),
-            "best_eval_loss": m.get("best_eval_loss") if m.get("best_eval_loss") != math.inf else None,
-            "outer_steps": m.get("outer_step"),
-            "bytes_sent": m.get("bytes_sent"),
-            "bytes_received": m.get("bytes_received"),
-            "run_dir": run_dir,
-            "wandb_warning": m.get("wandb_warning"),
-            "error": _error_line(r.error),
-        })
+        row.update(
+            {
+                "algorithm": cfg.algorithm if cfg else None,
+                "model": cfg.model.preset if cfg else None,
+                "num_parameters": summary.get("num_parameters") or _num_parameters(run_dir),
+                "replicas": strategy_class(cfg).reported_replicas(cfg) if cfg else None,
+                "H": cfg.diloco.H if cfg else None,
+                "inner_lr": cfg.inner.lr if cfg else None,
+                "outer_lr": cfg.outer.lr if cfg else None,
+                "global_batch": cfg.inner.global_batch if cfg else None,
+                "seq_len": cfg.data.seq_len if cfg else None,
+                "tokens": m.get("tokens"),
+                "final_eval_loss": m.get("eval_loss"),
+                "best_eval_loss": m.get("best_eval_loss") if m.get("best_eval_loss") != math.inf else None,
+                "outer_steps": m.get("outer_step"),
+                "bytes_sent": m.get("bytes_sent"),
+                "bytes_received": m.get("bytes_received"),
+                "run_dir": run_dir,
+                "wandb_warning": m.get("wandb_warning"),
+                "error": _error_line(r.error),
+            }
+        )
         rows.append(row)
     return rows
 
@@ -403,8 +459,9 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
 
     df = pd.DataFrame(rows)
     key = "final_eval_loss" if spec.metric == "eval_loss" else "best_eval_loss"
-    finite = [r for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
-              and r["status"] != "ERROR"]
+    finite = [
+        r for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and r["status"] != "ERROR"
+    ]
     best = (min if spec.mode == "min" else max)(finite, key=lambda r: r[key]) if finite else None
     write_text(join_uri(spec.sweep_dir, "results.csv"), df.to_csv(index=False))
     parquet = io.BytesIO()
@@ -414,12 +471,14 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
     print(f"{len(rows)} trial(s): " + ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items())))
     for r in rows:
         if r["error"]:
-            swept = " ".join(f"{k}={r[k]}" for k in spec.params)
-            print(f"trial {r['trial']} ({swept}) failed: {r['error']}")
+            shown = " ".join(f"{k}={r[k]}" for k in spec.params)
+            print(f"trial {r['trial']} ({shown}) failed: {r['error']}")
     warned = [r for r in rows if r.get("wandb_warning")]
     if warned:  # the trials print it too, but a trial's last log lines can miss a driver that exits
-        print(f"warning: trial {warned[0]['trial']}: {warned[0]['wandb_warning']}"
-              + (f"; {len(warned) - 1} more trial(s) likewise (results column wandb_warning)" if len(warned) > 1 else ""))
+        print(
+            f"warning: trial {warned[0]['trial']}: {warned[0]['wandb_warning']}"
+            + (f"; {len(warned) - 1} more trial(s) likewise (results column wandb_warning)" if len(warned) > 1 else "")
+        )
     print(f"results: {spec.sweep_dir}/results.csv")
     if best is None:
         if _finished(rows):  # not when interrupted
@@ -433,7 +492,9 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
     local = spec.local_dir / "best_config.yaml"  # --config reads local files: a remote sweep keeps a copy here
     if is_uri(spec.sweep_dir):
         write_text(str(local), cfg.to_yaml())
-    print(f"best trial {best['trial']}: {key} {best[key]:.4f} at outer step {best['outer_steps']} with "
-          + " ".join(f"{k}={v}" for k, v in swept.items()))
+    print(
+        f"best trial {best['trial']}: {key} {best[key]:.4f} at outer step {best['outer_steps']} with "
+        + " ".join(f"{k}={v}" for k, v in swept.items())
+    )
     print(f"best config: {stored} (ray-diloco train --config {local})")
     return best

@@ -11,16 +11,17 @@ from typing import Any
 
 from ray.tune import Trainable
 
+from ray_diloco.components.storage import join_uri
 from ray_diloco.config import Config
 from ray_diloco.errors import ConfigError, RayDilocoError
 from ray_diloco.tune.space import SweepSpec
-from ray_diloco.components.storage import join_uri
+
 
 class TrialError(RuntimeError):
     """A trial's run failed with a one-line reason (shown in the results table's ``error``)."""
 
 
-def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config | None, Path, Path | None, Path]:
+def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config, Path, Path | None, Path]:
     """A trial's config, run directory and what to resume (a run directory left by an interrupted
     sweep; with remote storage, fetched from there).
 
@@ -51,6 +52,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     if remote:
         from ray_diloco.components.storage import download_run
 
+        assert cfg.run.storage_path is not None  # set above when remote
         try:
             resume = download_run(join_uri(cfg.run.storage_path, trial), local_root)
         except RayDilocoError:
@@ -81,7 +83,9 @@ class DilocoTrial(Trainable):
         TrialError: the run failed (invalid value, cluster error); Tune marks only this trial.
     """
 
-    def setup(self, config: dict[str, Any], spec: dict[str, Any]) -> None:  # noqa: D401 - Tune hook
+    # tune.with_parameters passes spec as a second argument (Ray's documented pattern; its Trainable.setup
+    # is typed with config alone)
+    def setup(self, config: dict[str, Any], spec: dict[str, Any]) -> None:  # type: ignore[override]  # noqa: D401 - Tune hook
         import queue
         import threading
 
@@ -105,8 +109,9 @@ class DilocoTrial(Trainable):
         self._final = cfg.num_outer_steps
         self._best = best_eval_loss(metrics_rows(self._run_dir)) if resume is not None else math.inf
         cluster.HOST_PLACEMENT_GROUP = ray.util.get_current_placement_group()
-        self._thread = threading.Thread(target=self._train, args=(cfg, resume, local_root), daemon=True,
-                                        name="diloco-trial")
+        self._thread = threading.Thread(
+            target=self._train, args=(cfg, resume, local_root), daemon=True, name="diloco-trial"
+        )
         self._thread.start()
 
     def _train(self, cfg: Config, resume: Path | None, local_root: Path) -> None:
@@ -114,8 +119,12 @@ class DilocoTrial(Trainable):
 
         try:
             if resume is not None:
-                train(None, [f"run.output_dir={local_root}", "tracking.progress=false"], resume=resume,
-                      on_outer_step=self._on_outer_step)
+                train(
+                    None,
+                    [f"run.output_dir={local_root}", "tracking.progress=false"],
+                    resume=resume,
+                    on_outer_step=self._on_outer_step,
+                )
             else:
                 train(cfg, on_outer_step=self._on_outer_step)
         except _StopTrial:
@@ -148,6 +157,7 @@ class DilocoTrial(Trainable):
     def step(self) -> dict[str, Any]:
         """The next outer step's metrics; ``done`` once the run has finished (export included)."""
         if self._thread is None:  # the trial's values were invalid (setup kept the one-line reason)
+            assert self._error is not None
             raise self._error
         if self._steps:
             self._go.release()  # the run may start its next outer step
@@ -207,11 +217,18 @@ def tune_metrics(row: dict[str, Any], best: float, run_dir: Path) -> dict[str, A
     when the step had no evaluation), ``best_eval_loss`` (``best``; inf before any), steps, tokens,
     cumulative bytes, the run directory and any W&B fallback warning."""
     loss = row.get("eval_loss")
-    return {"outer_step": row["outer_step"], "inner_step": row.get("inner_step"),
-            "eval_loss": loss if loss is not None else math.nan, "best_eval_loss": best,
-            "train_loss": row.get("train_loss"), "tokens": row.get("tokens"),
-            "bytes_sent": row.get("bytes_sent_total"), "bytes_received": row.get("bytes_received_total"),
-            "run_dir": str(run_dir), "wandb_warning": row.get("wandb_warning")}
+    return {
+        "outer_step": row["outer_step"],
+        "inner_step": row.get("inner_step"),
+        "eval_loss": loss if loss is not None else math.nan,
+        "best_eval_loss": best,
+        "train_loss": row.get("train_loss"),
+        "tokens": row.get("tokens"),
+        "bytes_sent": row.get("bytes_sent_total"),
+        "bytes_received": row.get("bytes_received_total"),
+        "run_dir": str(run_dir),
+        "wandb_warning": row.get("wandb_warning"),
+    }
 
 
 def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -236,5 +253,7 @@ def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def best_eval_loss(rows: list[dict[str, Any]]) -> float:
     """The lowest finite ``eval_loss`` of ``rows`` (inf when none has one)."""
-    losses = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])]
+    losses = [
+        r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float)) and math.isfinite(r["eval_loss"])
+    ]
     return min(losses, default=math.inf)
