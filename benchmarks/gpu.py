@@ -149,7 +149,7 @@ def ray_diloco_run(overrides: list[str], out: str, name: str, steps: int, H: int
                             capture_output=True, text=True)
     after = run_rows(os.path.join(out, name))
     return {"tokens_per_s": tokens / sum(r["round_s"] for r in later), "wall_s": wall,
-            "final_train_loss": rows[-1]["train_loss"], "checkpoints": len(os.listdir(os.path.join(out, name, "checkpoints"))),
+            "first_train_loss": rows[0]["train_loss"], "final_train_loss": rows[-1]["train_loss"], "checkpoints": len(os.listdir(os.path.join(out, name, "checkpoints"))),
             "resumed": resume.returncode == 0 and after[-1]["inner_step"] == steps + H,
             "resume_error": None if resume.returncode == 0 else resume.stderr.strip().splitlines()[-1:]}
 
@@ -175,7 +175,8 @@ def main() -> int:
     seq, batch, micro, steps = (16, 8, 2, 20) if a.smoke else (a.seq_len, a.global_batch, a.micro_batch, a.steps)
     gpu = torch.cuda.is_available() and not a.smoke
     common = model + [
-        f"data.seq_len={seq}", f"inner.global_batch={batch}", f"inner.micro_batch={micro}", "inner.warmup_steps=20",
+        f"data.seq_len={seq}", f"inner.global_batch={batch}", f"inner.micro_batch={micro}",
+        f"inner.warmup_steps={2 if a.smoke else 20}",
         "diloco.replicas=2", f"diloco.H={H}", f"diloco.gpus_per_worker={0.5 if gpu else 0}",
         f"run.precision={'bf16' if gpu else 'fp32'}", "streaming.fragments=3" if not a.smoke else "streaming.fragments=2",
         "streaming.overlap_steps=2" if not a.smoke else "streaming.overlap_steps=1",
@@ -217,7 +218,8 @@ def main() -> int:
         "ddp_peak_gpu_memory_bytes": mem_run.peak or None,
         "ddp_ratio_to_plain": ddp["tokens_per_s"] / loop["tokens_per_s"],
         "ddp_checkpoints": ddp["checkpoints"], "ddp_resumed": ddp["resumed"], "ddp_resume_error": ddp["resume_error"],
-        "ddp_final_train_loss": ddp["final_train_loss"], "ddp_wall_s": ddp["wall_s"],
+        "ddp_first_train_loss": ddp["first_train_loss"], "ddp_final_train_loss": ddp["final_train_loss"],
+        "ddp_wall_s": ddp["wall_s"],
     }
     if fsdp is None:
         res["fsdp"] = f"not run: FSDP needs 2 GPUs per replica (4 in all); this machine has {torch.cuda.device_count()}"

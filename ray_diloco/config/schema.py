@@ -314,7 +314,8 @@ class RunConfig:
     compile: bool = False
     """Compile the model with ``torch.compile`` (on GPUs; on CPU it needs a C++ compiler)."""
     log_hashes: bool = False
-    """Log the sha256 of the global parameters, the outer state and the data read, per outer step."""
+    """Log the sha256 of the global parameters, the outer state, each worker's global and local parameters
+    and the data read, per outer step."""
     trace_syncs: bool = False
     """Workers keep every sync's fp32 tensors (global at send, local at send and merge, new global, merged)
     for inspection; tests and debugging only."""

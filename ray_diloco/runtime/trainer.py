@@ -247,6 +247,10 @@ class Trainer:
             row["worker_global_sha256"] = self.supervisor.gather(
                 {w.global_hash.remote(): r for r in self.replicas for w in r.workers}
             )
+            # each worker's local parameters after the round (a replica's ranks hold the same; FSDP: its rows)
+            row["worker_params_sha256"] = self.supervisor.gather(
+                {w.params_hash.remote(): r for r in self.replicas for w in r.workers}
+            )
         self.sync.final_fields(self, row)
         return row
 

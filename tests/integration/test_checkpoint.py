@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import start_trainer, tiny_overrides, torch_lm
+from helpers import start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints, load_checkpoint, read_state_file
 from ray_diloco.config import load_config

@@ -8,21 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli, tiny_overrides
+from helpers import ROOT, one_error_line, read_metrics, run_cli, run_main, tiny_overrides, wait_for
 from wandb_records import run_contents
-
-
-def _one_error_line(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr
-    for n in needles:
-        assert n in errors[0], (n, errors[0])
-    return errors[0]
 
 
 @pytest.mark.parametrize("override, needles", [
@@ -54,21 +45,21 @@ def test_invalid_input_one_line_no_traceback(override, needles, tmp_path, capsys
         signal.signal(signal.SIGTERM, saved[0])
         cluster.GRACEFUL_SIGTERM = saved[1]
     out, err = capsys.readouterr()
-    _one_error_line(subprocess.CompletedProcess([], rc, out, err), *needles)
+    one_error_line(subprocess.CompletedProcess([], rc, out, err), *needles)
     assert not any(tmp_path.iterdir())  # nothing was started or written
 
 
 def test_bad_yaml_and_unknown_preset(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("diloco: [1, 2\n")
-    _one_error_line(run_cli(["train", "--config", str(bad)], timeout=120), "bad.yaml", "YAML")
-    _one_error_line(run_cli(["train", "--config", "no-such-preset"], timeout=120), "no-such-preset", "presets")
+    one_error_line(run_cli(["train", "--config", str(bad)], timeout=120), "bad.yaml", "YAML")
+    one_error_line(run_cli(["train", "--config", "no-such-preset"], timeout=120), "no-such-preset", "presets")
 
 
 def test_more_workers_than_cpus_is_refused_before_starting(tmp_path):
     proc = run_cli(["train", "--set", "diloco.replicas=4", "--set", "diloco.cpus_per_worker=1",
                     "--set", f"run.output_dir={tmp_path}", "--set", "run.name=x"], timeout=300)
-    line = _one_error_line(proc, "diloco.replicas", "4", "CPUs")
+    line = one_error_line(proc, "diloco.replicas", "4", "CPUs")
     from ray._private.utils import get_num_cpus  # the CPUs a local ray.init gives the cluster
 
     assert f"= 4 CPUs, but the Ray cluster has {get_num_cpus():g}:" in line, (get_num_cpus(), line)
@@ -76,18 +67,18 @@ def test_more_workers_than_cpus_is_refused_before_starting(tmp_path):
 
 
 def test_resume_of_missing_or_corrupt_run(tmp_path):
-    _one_error_line(run_cli(["train", "--resume", str(tmp_path / "nope")], timeout=120), "nope")
-    _one_error_line(run_cli(["eval", str(tmp_path / "nope")], timeout=120), "nope")
+    one_error_line(run_cli(["train", "--resume", str(tmp_path / "nope")], timeout=120), "nope")
+    one_error_line(run_cli(["eval", str(tmp_path / "nope")], timeout=120), "nope")
     run = tmp_path / "run"
     ck = run / "checkpoints" / "step_000002"
     ck.mkdir(parents=True)
     (run / "config.yaml").write_text("run:\n  steps: 10\n")
     (ck / "state.pt").write_bytes(b"\x80\x02garbage that is not a checkpoint")
     before = (ck / "state.pt").read_bytes()
-    line = _one_error_line(run_cli(["train", "--resume", str(run)], timeout=120), "state.pt", "corrupt")
+    line = one_error_line(run_cli(["train", "--resume", str(run)], timeout=120), "state.pt", "corrupt")
     assert str(ck) in line
-    _one_error_line(run_cli(["eval", str(run)], timeout=120), "corrupt")
-    _one_error_line(run_cli(["eval", str(run), "--workers", "0"], timeout=120), "--workers = 0", ">= 1")
+    one_error_line(run_cli(["eval", str(run)], timeout=120), "corrupt")
+    one_error_line(run_cli(["eval", str(run), "--workers", "0"], timeout=120), "--workers = 0", ">= 1")
     assert (ck / "state.pt").read_bytes() == before  # nothing already written is touched
 
 
@@ -98,19 +89,33 @@ def _write_config(tmp_path, small_text, **extra):
     return path
 
 
-def _rows(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _popen_train(*args: str) -> subprocess.Popen:
+    """``ray-diloco train ARGS`` in its own session (a process group: the driver and the local Ray
+    it starts), stderr captured."""
+    return subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", *args], cwd=str(ROOT),
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir, step: int) -> None:
+    wait_for(lambda: proc.poll() is not None or (run_dir / "checkpoints" / f"step_{step:06d}").exists(), 300,
+             f"checkpoint {step}")
+    assert proc.poll() is None, f"the run ended before its checkpoint {step}: {proc.stderr.read()[-3000:]}"
 
 
 @pytest.mark.slow
-def test_train_eval_generate_then_kill_and_resume_matches_the_uninterrupted_run(tmp_path, small_text):
-    """`ray-diloco train` as a user runs it (W&B offline), then `eval` and `generate` on its run
-    directory. A second run of the same config is killed whole (driver and its Ray) after outer
-    step 3 and resumed: every later outer update, the outer momentum and the data read equal
-    those of the first run, bit for bit."""
+def test_train_eval_generate_then_stop_kill_and_resume_match_the_uninterrupted_run(tmp_path, small_text):
+    """`ray-diloco train` as a user runs it (the console script, W&B offline), then `eval` and
+    `generate` on its run directory. A second run of the same config is stopped with SIGTERM
+    (`ray job stop`, `kill`) after its second checkpoint: it exits 130 without a traceback, stops
+    its actors and its local Ray, and leaves only complete checkpoints. Resumed, it is killed
+    whole (SIGKILL to the driver and its Ray) after its fourth checkpoint, and resumed again: every
+    outer update, the outer momentum and the data read equal those of the first run, bit for bit."""
     cfg = _write_config(tmp_path, small_text, run__steps=90, run__eval_every=0, run__keep_checkpoints=3,
                         tracking__wandb=True)
-    full = run_cli(["train", "--config", str(cfg), "--set", "run.name=full"], env={"WANDB_MODE": "offline"})
+    script = str(Path(sys.executable).parent / "ray-diloco")
+    full = subprocess.run([script, "train", "--config", str(cfg), "--set", "run.name=full"], capture_output=True,
+                          text=True, timeout=600, cwd=str(ROOT), env=dict(os.environ, WANDB_MODE="offline"))
     assert full.returncode == 0, full.stderr[-3000:]
     full_dir = tmp_path / "runs" / "full"
     assert f"run directory: {full_dir}" in full.stdout
@@ -119,42 +124,46 @@ def test_train_eval_generate_then_kill_and_resume_matches_the_uninterrupted_run(
     assert yaml.safe_load((full_dir / "config.yaml").read_text())["diloco"]["H"] == 5
     wb = run_contents(full_dir)  # the offline W&B run, read back from its protobuf log
     assert wb["config"]["diloco"]["H"] == 5 and wb["config"]["run"]["name"] == "full" and wb["name"] == "full"
-    rows = _rows(full_dir)
+    rows = read_metrics(full_dir)
     assert [h["eval_loss"] for h in wb["history"] if "eval_loss" in h] == [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert all("train_loss_replica/replica_1" in h for h in wb["history"] if "train_loss" in h)
-    ev = run_cli(["eval", str(full_dir)], timeout=300)
+    ev = run_main(["eval", str(full_dir)])
     assert ev.returncode == 0, ev.stderr
     assert f"validation loss {summary['final_eval_loss']:.4f}" in ev.stdout
-    gen = run_cli(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"], timeout=300)
+    gen = run_main(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "40"])
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) >= 40
     # a temperature near 0 is greedy decoding: the same text whatever the seed (no overflow to nan)
-    greedy = [run_cli(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature",
-                       "1e-40", "--seed", seed], timeout=300) for seed in ("1", "2")]
+    greedy = [run_main(["generate", str(full_dir), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--temperature",
+                        "1e-40", "--seed", seed]) for seed in ("1", "2")]
     assert all(g.returncode == 0 for g in greedy), greedy[0].stderr[-2000:]
     assert greedy[0].stdout == greedy[1].stdout and len(greedy[0].stdout.strip()) >= 20
-    _one_error_line(run_cli(["generate", str(full_dir), "--seed", str(2**64)], timeout=120), "--seed", str(2**64))
+    one_error_line(run_main(["generate", str(full_dir), "--seed", str(2**64)]), "--seed", str(2**64))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(full_dir / "final"))  # truncation keeps inputs within the context
     assert tok.model_max_length == 16 and len(tok("ROMEO: " * 20, truncation=True)["input_ids"]) == 16
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),
-                             "--set", "run.name=killed"], cwd=str(ROOT), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run_dir = tmp_path / "runs" / "killed"
-    deadline = time.time() + 300
-    while not (run_dir / "checkpoints" / "step_000003").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its third checkpoint"
-        time.sleep(0.05)
+    # SIGTERM after the second checkpoint: a clean stop
+    run_dir = tmp_path / "runs" / "stopped"
+    proc = _popen_train("--config", str(cfg), "--set", "run.name=stopped")
+    _wait_for_checkpoint(proc, run_dir, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted" in err
+    wait_for(lambda: not _group_alive(proc.pid), 10, "the processes of the interrupted run to exit")
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert steps and all(p.startswith("step_") for p in steps) and not (run_dir / "summary.json").exists()
+    # resumed, then SIGKILL to the whole process group after the fourth checkpoint
+    proc = _popen_train("--resume", str(run_dir))
+    _wait_for_checkpoint(proc, run_dir, 4)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
-    proc.wait()
-    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
-    assert done and not (run_dir / "summary.json").exists()
+    proc.communicate()
+    assert not (run_dir / "summary.json").exists()
     resumed = run_cli(["train", "--resume", str(run_dir)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = rows, _rows(run_dir)
+    a, b = rows, read_metrics(run_dir)
     assert [r["outer_step"] for r in b] == [r["outer_step"] for r in a] == list(range(1, 19))
     for ra, rb in zip(a, b):
         for key in ("global_sha256", "outer_state_sha256", "data_digest", "train_loss"):
@@ -163,34 +172,13 @@ def test_train_eval_generate_then_kill_and_resume_matches_the_uninterrupted_run(
     assert summary["final_eval_loss"] == sb["final_eval_loss"] and summary["tokens"] == sb["tokens"]
 
 
-@pytest.mark.slow
-def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path, small_text):
-    """`ray job stop` / `kill` send SIGTERM: the driver stops its actors and its local Ray, exits
-    130 without a traceback, leaving only complete checkpoints."""
-    cfg = _write_config(tmp_path, small_text, run__steps=150, run__eval_every=0)
-    proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(cfg),
-                             "--set", "run.name=term"], cwd=str(ROOT), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = tmp_path / "runs" / "term"
-    deadline = time.time() + 300
-    while not (run_dir / "checkpoints" / "step_000002").exists():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "interrupted" in err
-    for _ in range(100):  # the Ray processes this driver started are gone too
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("processes of the interrupted run are still alive")
-    # what it leaves is resumable (the resume itself is tested after a SIGKILL above)
-    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert steps and all(p.startswith("step_") for p in steps) and not (run_dir / "summary.json").exists()
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` is left."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
@@ -221,19 +209,19 @@ def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
 def test_unreachable_ray_address_fails_fast(tmp_path):
     t = time.time()
     proc = run_cli(["train", "--address", "127.0.0.1:1", "--set", f"run.output_dir={tmp_path}"], timeout=120)
-    _one_error_line(proc, "run.address", "127.0.0.1:1")
+    one_error_line(proc, "run.address", "127.0.0.1:1")
     assert time.time() - t < 60 and not any(tmp_path.iterdir())
 
 
 def test_more_bad_input_found_by_trying_to_break_it(tmp_path):
     nonutf = tmp_path / "bad.yaml"
     nonutf.write_bytes(b"\xff\xfe\x00garbage")
-    _one_error_line(run_cli(["config", "--config", str(nonutf)], timeout=120), "bad.yaml", "UTF-8")
-    _one_error_line(run_cli(["train", "--set", "run.output_dir=/etc/hostname"], timeout=120),
+    one_error_line(run_cli(["config", "--config", str(nonutf)], timeout=120), "bad.yaml", "UTF-8")
+    one_error_line(run_cli(["train", "--set", "run.output_dir=/etc/hostname"], timeout=120),
                     "run.output_dir", "not a writable directory")
     numeric = tmp_path / "numbers.jsonl"
     numeric.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(100)))
-    _one_error_line(run_cli(["train", "--set", f"data.path={numeric}", "--set", f"run.output_dir={tmp_path / 'o'}"],
+    one_error_line(run_cli(["train", "--set", f"data.path={numeric}", "--set", f"run.output_dir={tmp_path / 'o'}"],
                             timeout=120), "data.text_field", "strings")
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
@@ -241,5 +229,5 @@ def test_more_bad_input_found_by_trying_to_break_it(tmp_path):
 
     torch.save({"outer_step": 1, "config": {}}, run / "checkpoints" / "step_000001" / "state.pt")
     (run / "tokenizer").mkdir()
-    _one_error_line(run_cli(["eval", str(run)], timeout=120), "not a complete", "workers")
-    _one_error_line(run_cli(["generate", str(run), "--temperature", "nan"], timeout=120), "--temperature", "nan")
+    one_error_line(run_cli(["eval", str(run)], timeout=120), "not a complete", "workers")
+    one_error_line(run_cli(["generate", str(run), "--temperature", "nan"], timeout=120), "--temperature", "nan")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, tiny_overrides
+from helpers import alive, pids_with, read_metrics, ROOT, tiny_overrides
 
 CLUSTERS = ROOT / "clusters"
 LAUNCHER = [CLUSTERS / "aws.yaml", CLUSTERS / "gcp.yaml"]
@@ -104,23 +104,19 @@ def _free_ports(n: int) -> list[int]:
 
 def _stop_head(temp_dir: str) -> None:
     """Stop only this test's head. `ray stop` would stop every Ray on the machine, including the
-    test session's cluster, so the head's processes are found by their session directory."""
-    me = os.getpid()
-    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit()]:
+    test session's cluster, so the head's processes are found by their session directory: SIGTERM,
+    then SIGKILL for any still alive after 10 s."""
+    for pid in pids_with(temp_dir):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            os.kill(pid, signal.SIGTERM)
         except OSError:
-            continue
-        if pid != me and temp_dir in cmd:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-    time.sleep(2)
-    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]:
+            pass
+    deadline = time.monotonic() + 10
+    while (left := [p for p in pids_with(temp_dir) if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
         try:
-            if temp_dir in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
@@ -177,7 +173,7 @@ def test_ray_job_submit_runs_train_on_a_started_head(tmp_path, small_text):
         assert "final validation loss of the global model" in logs
         run_dir = tmp_path / "runs" / "job"
         assert (run_dir / "checkpoints" / "step_000002" / "state.pt").is_file()
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(run_dir)
         assert [r["outer_step"] for r in rows] == [1, 2] and all(r["eval_loss"] > 0 for r in rows)
         assert json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 10
         # it joined the started cluster instead of starting a local one: its actors are in its GCS

@@ -11,15 +11,12 @@ import dataclasses
 import importlib
 import importlib.util
 import io
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT, run_main
 
 from ray_diloco import cli
 
@@ -257,16 +254,14 @@ def _cheap_commands() -> list:
 
 
 @pytest.mark.parametrize("argv", _cheap_commands())
-def test_cheap_commands_in_the_docs_run(argv, tmp_path):
+def test_cheap_commands_in_the_docs_run(argv, tmp_path, monkeypatch):
     """`ray-diloco plan/simulate/config/predict ...` and `--help` as the docs show them exit 0
-    (in a scratch directory that sees the repository's files, so outputs land there)."""
+    (through the CLI's ``main`` in this process, in a scratch directory that sees the repository's
+    files, so outputs land there; the console script itself runs in test_cli)."""
     for name in REPO_TOP:
         (tmp_path / name).symlink_to(ROOT / name)
-    exe = Path(sys.executable).with_name("ray-diloco")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ray_diloco.cli"]
-    env = {**os.environ, "WANDB_MODE": "disabled"}
-    p = subprocess.run(cmd + argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env,
-                       check=False)
+    monkeypatch.chdir(tmp_path)
+    p = run_main(argv, env={"WANDB_MODE": "disabled"})
     assert p.returncode == 0, \
         f"ray-diloco {shlex.join(argv)}: exit {p.returncode}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"
 

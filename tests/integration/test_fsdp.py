@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import start_trainer, tiny_overrides
+from helpers import start_trainer, tiny_overrides
 
 from ray_diloco.config import load_config
 

@@ -5,6 +5,7 @@ checkpoints, and its resume), so a GPU session does not find a broken script."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path):
     res = json.loads(out.read_text())
     assert res["ddp_resumed"] is True and res["ddp_checkpoints"] >= 2
     assert res["plain_tokens_per_s"] > 0 and res["ddp_tokens_per_s"] > 0 and res["ddp_ratio_to_plain"] > 0
-    assert res["ddp_final_train_loss"] < 4.3  # ln(65) = 4.17 at the start: it trained a little
+    # it trained: the last outer step's loss is below the first's and well below ln(65) = 4.17, the
+    # loss of the uniform prediction an untrained model makes
+    assert res["ddp_final_train_loss"] < res["ddp_first_train_loss"] - 0.1, res
+    assert res["ddp_final_train_loss"] < math.log(65) - 0.5, res
     assert "ray-diloco, DDP" in p.stdout and "ray-diloco, FSDP" in p.stdout
     assert res["fsdp_resumed"] is True and res["fsdp_tokens_per_s"] > 0  # FSDP2 over gloo on CPU

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, SHAKESPEARE, run_cli
+from helpers import ROOT, SHAKESPEARE, run_cli
 
 from ray_diloco.components.prepare import PrepareOptions, prepare_store
-from test_storage import s3_bucket  # noqa: F401  (the fixture: a moto S3 server on loopback)
 from ray_diloco.components.token_store import TokenStore
 from ray_diloco.errors import DataError
 
@@ -189,9 +188,8 @@ def test_prepare_writes_a_store_to_s3_that_reads_back_as_the_local_one(ray_sessi
     in the bucket, the store reads back through the remote reader with the same id and tokens as
     the same prepare written to a local directory; a second prepare to the same URI is refused in
     one line and the store stays as it was."""
-    pytest.importorskip("moto")
     opts = dict(sources=[str(text_dir)], tokenizer="char", val_fraction=0.1, shard_tokens=8192, progress=False)
-    uri = s3_bucket.replace("s3://bucket/runs", "s3://bucket/stores/prepared")
+    uri = s3_bucket.replace("/runs?", "/stores/prepared?")
     local = prepare_store(PrepareOptions(out=str(tmp_path / "local"), **opts))
     remote = prepare_store(PrepareOptions(out=uri, **opts))
     assert remote["tokens"] == local["tokens"] and remote["shards"] == local["shards"]

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-from conftest import tiny_overrides
+from helpers import read_metrics, tiny_overrides
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
@@ -27,36 +22,6 @@ def _remote_files(uri: str) -> set[str]:
     fs, path = filesystem(uri)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     return {i.path[len(path.rstrip("/")) + 1:] for i in infos if i.type == pafs.FileType.File}
-
-
-@pytest.fixture
-def s3_bucket(monkeypatch):
-    """An S3 endpoint (moto's server) on a free loopback port with one bucket; yields the
-    storage URI with pyarrow's endpoint options."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        monkeypatch.setenv(k, v)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "moto_server did not start"
-                time.sleep(0.2)
-        uri = f"s3://bucket/runs?endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
-        fs, _ = filesystem(uri + "&allow_bucket_creation=true")
-        fs.create_dir("bucket")
-        yield uri
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_a_run_is_mirrored_to_s3_and_resumes_from_it_elsewhere(ray_session, tmp_path, corpus, s3_bucket):
@@ -90,7 +55,7 @@ def test_a_run_is_mirrored_to_s3_and_resumes_from_it_elsewhere(ray_session, tmp_
                     resume=uri, corpus=corpus)
     assert resumed["inner_steps"] == 15 and resumed["run_dir"] == str(tmp_path / "elsewhere" / "mirrored")
     assert "checkpoints/step_000003/state.pt" in _remote_files(uri)
-    rows = [json.loads(x) for x in (tmp_path / "elsewhere" / "mirrored" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "elsewhere" / "mirrored")
     assert [r["outer_step"] for r in rows] == [1, 2, 3]
     downloaded = tmp_path / "elsewhere" / "mirrored" / "checkpoints" / "step_000002" / "state.pt"
     assert downloaded.read_bytes() == stored  # the resume started from the uploaded bytes
@@ -193,7 +158,7 @@ def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, t
     storage (file:// here: every process sees it); the job's mirror then uploads only state.pt,
     last, which completes the stored checkpoint. A writer that cannot upload (a storage URI no
     writer reaches) leaves its file to the mirror, with one note."""
-    from conftest import start_trainer, torch_lm
+    from helpers import start_trainer, torch_lm
 
     from ray_diloco.components.storage import Mirror
 

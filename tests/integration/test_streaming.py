@@ -8,226 +8,29 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, start_trainer, tiny_overrides, torch_lm
+from helpers import core_diloco_reference, run_cli, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
 
-from ray_diloco.config import load_config, num_fragments
-from ray_diloco.errors import ConfigError
-from ray_diloco.core.wire import Downlink, apply_downlink, dp_equivalent_bytes
-from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
-from ray_diloco.models.transformer import build_transformers_model, resolve_model_shape
-from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import FORMATS, from_message, message_nbytes, quantize_message, to_message
-from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
-
-# ---------------------------------------------------------------------------------------
-# fragments
-
-
-def _specs(preset: str, **shape):
-    cfg = load_config({"model": {"preset": preset, **shape}})
-    s = resolve_model_shape(cfg.model, 97)
-    with torch.device("meta"):
-        return param_specs(build_transformers_model(s, 97))
-
-
-EMBEDDINGS = {"tiny": {"transformer.wte.weight", "transformer.wpe.weight"},  # gpt2: token + learned positions
-              "cpu-small": {"model.embed_tokens.weight"}, "1.3b": {"model.embed_tokens.weight"}}  # llama, qwen3: RoPE
-
-
-@pytest.mark.parametrize("preset", ["tiny", "cpu-small", "1.3b"])
-@pytest.mark.parametrize("pattern", ["strided", "sequential"])
-def test_every_parameter_in_exactly_one_fragment(preset, pattern):
-    specs = _specs(preset)
-    layers = max(block_index(s.name) for s in specs if block_index(s.name) is not None) + 1
-    for P in range(1, layers + 1):
-        frags = plan_fragments(specs, P, pattern)
-        names = [n for f in frags for n in f.names]
-        assert sorted(names) == sorted(s.name for s in specs) and len(names) == len(set(names))
-        assert [f.index for f in frags] == list(range(len(frags)))
-        assert len(frags) == num_fragments(P)
-        if P == 1:
-            continue
-        # embeddings first, final norm + LM head last, each alone; blocks never split
-        assert {block_index(n) for n in frags[0].names} == {None} == {block_index(n) for n in frags[-1].names}
-        tied = not any("lm_head" in s.name for s in specs)  # the scaling-law presets tie the LM head to the embeddings
-        assert set(frags[0].names) == EMBEDDINGS[preset] and (tied or any("lm_head" in n for n in frags[-1].names))
-        groups = [sorted({block_index(n) for n in f.names}) for f in frags[1:-1]]
-        assert sorted(b for g in groups for b in g) == list(range(layers))
-        if pattern == "strided":
-            assert groups == [list(range(j, layers, P)) for j in range(P)]
-        else:
-            assert all(g == list(range(g[0], g[-1] + 1)) for g in groups)
-            assert max(map(len, groups)) - min(map(len, groups)) <= 1
-
-
-def test_too_many_fragments_is_a_clear_config_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"streaming.fragments = 5: must be <= model.n_layers = 4"):
-        load_config({"streaming": {"fragments": 5}})
-    with pytest.raises(ConfigError, match=r"set either it or streaming.fragments"):
-        load_config({"streaming": {"fragments": 2, "layers_per_fragment": 2}})
-    assert load_config({"streaming": {"layers_per_fragment": 3}}).block_fragments == 2  # ceil(4 / 3)
-
-
-# ---------------------------------------------------------------------------------------
-# schedule
-
-
-@pytest.mark.parametrize("H, F, tau, T", [(50, 1, 0, 2000), (6, 2, 1, 20), (100, 6, 5, 1000), (7, 3, 1, 23),
-                                          (10, 4, 2, 9), (50, 4, 12, 130)])
-def test_schedule_every_fragment_every_H_steps(H, F, tau, T):
-    s = SyncSchedule(H, F, tau, T)
-    sends = s.sends_between(0, T)
-    assert sends == sorted(sends)
-    # pieces of the run enumerate the same sends (the trainer asks per outer step)
-    assert [x for k in range(1, -(-T // H) + 1) for x in s.sends_between(*outer_step_bounds(k, H, T))] == sends
-    offsets = [s.offset(f) for f in range(F)]
-    assert offsets == sorted(set(offsets)) and offsets[0] == 0 and offsets[-1] < H
-    assert max(np.diff(offsets + [H])) - min(np.diff(offsets + [H])) <= 1  # spread evenly
-    for f in range(F):
-        steps = [t for t, g in sends if g == f]
-        regular = [t for t in steps if (t - offsets[f]) % H == 0]
-        assert all(b - a == H for a, b in zip(regular, regular[1:]))
-        assert regular == [t for t in range(1, T + 1) if (t - offsets[f]) % H == 0]
-        # the run closes: a fragment's last merge is at T, or its last send was within tau of T
-        last = steps[-1] if steps else 0
-        assert last == T or T - tau <= last, (f, steps)
-        assert all(s.apply_step(t) == min(t + tau, T) for t in steps)
-        # merges land before the fragment sends again
-        assert all(s.apply_step(a) <= b for a, b in zip(steps, steps[1:]))
-
-
-def test_closing_round_variants():
-    avg, outer, none = (SyncSchedule(6, 2, 1, 20, c) for c in ("average", "outer", "none"))
-    assert avg.sends_between(0, 20) == outer.sends_between(0, 20) == none.sends_between(0, 20) + [(20, 0), (20, 1)]
-    assert [avg.averages(f, 20) for f in (0, 1)] == [True, True] and not outer.averages(0, 20)
-    assert not avg.averages(0, 18) and not none.is_closing(0, 20)
-    # a fragment whose last send is within tau of T only merges early: no closing round for it
-    s = SyncSchedule(6, 2, 2, 17, "average")
-    assert s.sends_between(11, 17) == [(12, 0), (15, 1), (17, 0)]
-
-
-def test_schedule_with_one_fragment_is_diloco():
-    for H, T in [(50, 2000), (5, 15), (4, 14)]:
-        s = SyncSchedule(H, 1, 0, T)
-        ends = [outer_step_bounds(k, H, T)[1] for k in range(1, -(-T // H) + 1)]
-        assert [t for t, _ in s.sends_between(0, T)] == ends
-
-
-def test_overlap_must_fit_between_fragment_syncs():
-    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 13: must be < diloco.H / F = 50 / 4 = 12.5 "
-                                          r"\(F = 4 fragments: 2 of blocks"):
-        load_config({"streaming": {"fragments": 2, "overlap_steps": 13}})
-    load_config({"streaming": {"fragments": 2, "overlap_steps": 12}})
-    with pytest.raises(ConfigError, match=r"streaming.overlap_steps = 50: must be < diloco.H / F = 50 / 1 = 50 "
-                                          r"\(F = 1 fragment;"):
-        load_config({"streaming": {"overlap_steps": 50}})
-
-
-# ---------------------------------------------------------------------------------------
-# wire protocol
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_message_round_trip_and_size(fmt):
-    x = torch.randn(1001)
-    msg, sent = quantize_message(x, fmt)
-    assert len(msg) == message_nbytes(1001, fmt)
-    p = from_message(msg)
-    assert p.numel == 1001 and to_message(p) == msg
-    with pytest.raises(ValueError):
-        from_message(msg[:-1])
-    with pytest.raises(ValueError):
-        from_message(b"XXXX" + msg[4:])
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "int8", "fp4_e3m0"])
-def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
-    """The driver sets its global to old + dequant(q(u)) with the same function replicas use."""
-    rng = np.random.default_rng(1)
-    theta0 = rng.standard_normal(777).astype(np.float32)
-    for ef in (False, True):
-        cfg = load_config({"outer": {"lr": 0.7, "momentum": 0.9}}).outer
-        driver, downlink = OuterOptimizer([theta0], cfg), Downlink(fmt, ef, 1)
-        replicas = [torch.tensor(theta0) for _ in range(3)]
-        for _ in range(4):
-            deltas = [rng.standard_normal(777).astype(np.float32) * 0.01 for _ in range(2)]
-            out = driver.step(0, [1.0, 1.0], *deltas)
-            out["message"] = downlink.encode(driver, 0, out["before"])
-            assert len(out["message"]) == message_nbytes(777, fmt) < 4 * 777
-            replicas = [apply_downlink(r, out["message"]) for r in replicas]
-            for r in replicas:
-                assert torch.equal(r, driver.params[0])
-
-
-def test_error_feedback_carries_the_residual():
-    """With error feedback the sum of what was sent tracks the sum of the true values: the
-    difference is exactly the last residual, bounded by one quantisation error."""
-    rng = np.random.default_rng(2)
-    residual, sent_total, true_total = None, torch.zeros(500), torch.zeros(500)
-    for _ in range(20):
-        x = torch.from_numpy(rng.standard_normal(500).astype(np.float32))
-        _, sent = quantize_message(x, "fp4_e3m0", residual)
-        residual = (x if residual is None else x + residual) - sent
-        sent_total += sent
-        true_total += x
-    torch.testing.assert_close(true_total - sent_total, residual, rtol=0, atol=1e-4)
-    assert float(residual.abs().max()) < 3 * float(true_total.abs().max()) / 20 + 4
-
-
-def test_dp_equivalent_formula():
-    assert dp_equivalent_bytes(1000, 10, 2, 4) == 2 * 1000 * 4 * 10 // 2
-    assert dp_equivalent_bytes(1000, 10, 4, 2) == int(2 * 1000 * 3 / 4 * 2 * 10)
-    assert dp_equivalent_bytes(1000, 10, 1, 4) == 0
-
+from ray_diloco.config import load_config
+from ray_diloco.core.wire import dp_equivalent_bytes
+from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.core.schedules import outer_step_bounds
 
 # ---------------------------------------------------------------------------------------
 # numerics on a real local Ray
 
 
-class _UnitGrad(torch.autograd.Function):
-    """Passes ``logits`` through; the gradient reaching ``s`` is exactly 1, whatever the data."""
-
-    @staticmethod
-    def forward(ctx, s, logits):
-        return logits.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.ones(()), grad
-
-
-class TwoBlocks(torch.nn.Module):
-    """Two 'blocks' whose every parameter gets gradient exactly 1: with AdamW betas (0, 0), no
-    weight decay, no clipping, eps far below one ulp of 1 and a constant lr, every inner step
-    moves every parameter by exactly -lr (a known constant inner update)."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 5), torch.nn.Linear(4, 2)])
-
-    def forward(self, input_ids):
-        s = sum(p.sum() for p in self.parameters())
-        return _UnitGrad.apply(s, torch.zeros(*input_ids.shape, self.vocab))
-
-
-def two_blocks_fn(shape, vocab_size):
-    return TwoBlocks(vocab_size)
-
-
-@pytest.mark.parametrize("tau", [0, 1])
-def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
-    """2 replicas, 2 fragments, H=6, outer SGD lr 2 without momentum, tau in {0, 1}, alpha in
-    {0, 0.5, 1}: at every sync new_global == old_global - 2*(old_global - local_at_send) and
-    merged == alpha*local + (1 - alpha)*new_global, bitwise; every worker holds the same.
-    With ``closing_round: outer`` the closing round at T is an outer step like the others; with
-    ``average`` (the default) it is the replicas' mean: new_global == old - (old - local)."""
+def test_streaming_numerics_exact(ray_session, tmp_path, corpus):
+    """2 replicas, 2 fragments, H=6, outer SGD lr 2 without momentum, tau = 1, alpha = 0.5, on
+    real Ray actors: at every sync new_global == old_global - 2*(old_global - local_at_send) and
+    merged == alpha*local + (1 - alpha)*new_global, bitwise; every worker holds the same. The
+    closing round at T (``closing_round: average``, the default) is the replicas' mean:
+    new_global == old - (old - local). One run of the general case: the merge's special cases
+    (alpha 0 and 1, no overlap) and ``closing_round: outer`` are checked bit for bit against the
+    outer optimiser through the in-memory transport (tests/unit/core/test_sync.py)."""
     import ray
 
-    # alpha 0 and 1 are special cases in the merge, 0.5 the general formula: each is checked with
-    # and without overlap across the two parametrisations
-    runs = [(alpha, "outer") for alpha in ((0.0, 0.5) if tau == 0 else (0.5, 1.0))] + ([(0.5, "average")] if tau else [])
-    for alpha, closing in runs:
+    tau = 1
+    for alpha, closing in [(0.5, "average")]:
         cfg = load_config(tiny_overrides(
             tmp_path, diloco__H=6, run__steps=18, run__trace_syncs=True, run__eval_every=0, run__checkpoint_every=0,
             streaming__fragments=2, streaming__overlap_steps=tau, streaming__alpha=alpha,
@@ -266,54 +69,6 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus, tau):
             t.shutdown()
 
 
-def _core_diloco_reference(cfg_dict, train_tokens, vocab_size, rounds):
-    """Plain DiLoCo (algorithms.md section 1) written out in one process, for comparison: each
-    replica's AdamW loop on its own shard, the mean pseudo-gradient, torch's Nesterov SGD.
-    Returns sha256 of the global parameters after each outer step."""
-    import hashlib
-
-    from ray_diloco.components.data import ShardReader
-    from ray_diloco.models.transformer import lm_loss, logits_of
-    from ray_diloco.models.transformer import build_model, make_inner_optimizer
-    from ray_diloco.core.schedules import inner_lr
-
-    torch.set_num_threads(1)
-    cfg = load_config(cfg_dict, validate=False)
-    M, i = cfg.diloco.replicas, cfg.inner
-    models = [build_model(cfg, vocab_size) for _ in range(M)]
-    opts = [make_inner_optimizer(m, cfg) for m in models]
-    readers = [ShardReader(train_tokens, cfg.data.seq_len, m, M, cfg.run.seed) for m in range(M)]
-    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
-    theta = flat(models[0]).clone()
-    outer = torch.optim.SGD([theta], lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
-    hashes = []
-    for k in range(1, rounds + 1):
-        start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
-        for model, opt, reader in zip(models, opts, readers):
-            for step in range(start, end):
-                for g in opt.param_groups:
-                    g["lr"] = inner_lr(step, i.lr, i.warmup_steps, cfg.run.steps, i.min_lr_ratio)
-                x, y, _ = reader.next_batch(cfg.batch_per_worker)
-                loss, _ = lm_loss(logits_of(model(x)), y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        mean = torch.zeros_like(theta)
-        for model in models:
-            mean.add_(theta - flat(model), alpha=1 / M)
-        theta.grad = mean
-        outer.step()
-        with torch.no_grad():
-            for model in models:
-                off = 0
-                for p in model.parameters():
-                    p.copy_(theta[off:off + p.numel()].view_as(p))
-                    off += p.numel()
-        hashes.append(hashlib.sha256(theta.numpy().tobytes()).hexdigest())
-    return hashes
-
-
 def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_session, tmp_path, corpus):
     """Streaming with P=1, tau=0, fp32 reproduces plain DiLoCo bit for bit (M=2, Nesterov)."""
     import ray
@@ -321,7 +76,7 @@ def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_sess
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__eval_every=0, run__checkpoint_every=0,
                                      streaming__fragments=1, streaming__overlap_steps=0,
                                      streaming__quantization="none"))
-    ref = ray.remote(num_cpus=1)(_core_diloco_reference).remote(cfg.to_dict(), corpus.train, corpus.vocab_size, 3)
+    ref = ray.remote(num_cpus=1)(core_diloco_reference).remote(cfg.to_dict(), corpus.train, corpus.vocab_size, 3)
     t = start_trainer(cfg, corpus, None)  # the transformers preset, as the reference builds it
     try:
         ours = [t.outer_step(k)["global_sha256"] for k in (1, 2, 3)]
@@ -383,25 +138,6 @@ def test_streaming_resume_is_exact(ray_session, tmp_path, corpus):
     for key in ("global_sha256", "outer_state_sha256", "worker_global_sha256", "data_digest", "train_loss",
                 "bytes_sent", "bytes_received", "bytes_sent_total", "peak_sync_bytes", "sync_bytes_fragment"):
         assert again[key] == rows[2][key], key
-
-
-def test_overlap_hides_the_emulated_link(ray_session, tmp_path, corpus):
-    """With a 30 ms link each way, blocking syncs (tau=0) wait for it; with tau=8 the link
-    thread's transfer runs while the inner loop trains, so the training thread barely waits."""
-    waits = {}
-    for tau in (0, 8):
-        cfg = load_config(tiny_overrides(
-            tmp_path, run__name=f"wan-{tau}", run__eval_every=0, run__checkpoint_every=0, diloco__H=10, run__steps=40,
-            model__n_layers=4, model__d_model=128, model__d_ff=352, model__n_heads=4, model__context=64,
-            data__seq_len=64, inner__global_batch=16, streaming__overlap_steps=tau, network__latency_ms=30.0))
-        t = start_trainer(cfg, corpus, torch_lm)
-        try:
-            rows = [t.outer_step(k) for k in (1, 2, 3)]
-        finally:
-            t.shutdown()
-        waits[tau] = sum(r["sync_wait_s"] for r in rows)  # syncs at 10, 20, 30 (not the closing one at 40)
-    assert waits[0] > 3 * 0.06 * 0.9, waits  # three blocking syncs of >= 60 ms each
-    assert waits[8] < 0.3 * waits[0], waits
 
 
 def test_dp_under_emulation_counts_ring_allreduce_bytes(ray_session, tmp_path, corpus):
@@ -471,27 +207,3 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     redone = ray_diloco.train(resume=first["run_dir"], corpus=corpus, model_fn=torch_lm)
     assert redone["inner_steps"] == 32 and redone["final_eval_loss"] == more["final_eval_loss"]
     assert json.loads((Path(first["run_dir"]) / "summary.json").read_text())["inner_steps"] == 32
-
-
-def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp_path):
-    """Outer step k covers inner steps [(k-1)H, kH): a checkpoint at T = 14 with H = 8 cannot be
-    continued to 30 without skipping or re-keying steps 14-15, so --resume refuses it with one
-    line and leaves the run as it was; resuming it unchanged is still allowed."""
-    from ray_diloco.components.checkpoint import save_checkpoint
-    from ray_diloco.config import load_config
-    from ray_diloco.errors import ConfigError
-    from ray_diloco.runtime.launcher import prepare
-
-    cfg = load_config(tiny_overrides(tmp_path, run__name="odd", run__steps=14, diloco__H=8))
-    run_dir = tmp_path / "runs" / "odd"
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    state = {"format": 1, "outer_step": 2, "config": cfg.to_dict(), "counters": {"inner_step": 14},
-             "outer": None, "workers": {}, "corpus_fingerprint": ""}
-    save_checkpoint(run_dir, 2, state, keep=1)
-    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
-    with pytest.raises(ConfigError, match=r"run.steps = 30: the checkpoint ends at inner step 14, part way through "
-                                          r"an outer step of diloco.H = 8 .* cannot be extended"):
-        prepare(resume=run_dir, overrides=["run.steps=30"])
-    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
-    assert prepare(resume=run_dir)[2]["counters"]["inner_step"] == 14

@@ -3,21 +3,18 @@ and on S3 (a real moto server), a resume that refuses another store, ``run.eval_
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHAKESPEARE, tiny_overrides, torch_lm
+from helpers import read_metrics, SHAKESPEARE, tiny_overrides, torch_lm
 
 from ray_diloco.components.data import char_tokenizer
 from ray_diloco.components.token_store import TokenStore, write_store
 from ray_diloco.errors import CheckpointError, ConfigError, DataError
 from ray_diloco.runtime.launcher import train
 
-pytest.importorskip("moto")
-from test_storage import s3_bucket  # noqa: E402,F401  (the fixture: a moto S3 server on loopback)
 
 
 def _store(where: str, start: int = 0, n: int = 40000) -> TokenStore:
@@ -35,7 +32,7 @@ def test_a_run_reads_a_local_store_and_refuses_another_on_resume(ray_session, tm
     summary = train(cfg, model_fn=torch_lm)
     assert np.isfinite(summary["final_eval_loss"]) and summary["final_eval_loss"] < np.log(st.vocab_size)
     run_dir = Path(summary["run_dir"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert rows[-1]["eval_loss"] == summary["final_eval_loss"]
     # the same path now holds another store: the checkpoint's store id refuses it
     shutil.rmtree(st.where)
@@ -48,7 +45,7 @@ def test_a_run_reads_a_local_store_and_refuses_another_on_resume(ray_session, tm
 
 def test_a_run_reads_a_store_on_s3(ray_session, tmp_path, s3_bucket):
     local = _store(str(tmp_path / "store"))
-    uri = s3_bucket.replace("s3://bucket/runs", "s3://bucket/stores/shakespeare")
+    uri = s3_bucket.replace("/runs?", "/stores/shakespeare?")
     from ray_diloco.components.token_store import Location
 
     loc = Location(uri)
@@ -85,7 +82,7 @@ def test_a_replacement_takes_over_its_slot_of_a_prepared_store(ray_session, tmp_
     import time
 
     import ray as ray_mod
-    from conftest import start_trainer
+    from helpers import start_trainer
 
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config

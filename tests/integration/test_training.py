@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import start_trainer, tiny_overrides, torch_lm
+from helpers import odd_model_fn, read_metrics, start_trainer, tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.components.data import ShardReader, val_windows
@@ -86,26 +86,6 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
         t.shutdown()
 
 
-class OddShapes(torch.nn.Module):
-    """A model whose parameters are a scalar, 1-D, 2-D and 3-D tensors of odd sizes."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.emb = torch.nn.Parameter(torch.randn(vocab, 7) * 0.1)
-        self.cube = torch.nn.Parameter(torch.randn(7, 3, 5) * 0.1)
-        self.proj = torch.nn.Parameter(torch.randn(15, vocab) * 0.1)
-        self.bias = torch.nn.Parameter(torch.zeros(vocab))
-        self.gain = torch.nn.Parameter(torch.tensor(1.0))
-
-    def forward(self, input_ids):
-        h = torch.tanh(self.emb[input_ids] @ self.cube.reshape(7, 15)) * self.gain
-        return h @ self.proj + self.bias
-
-
-def odd_model_fn(shape, vocab_size):
-    return OddShapes(vocab_size)
-
-
 def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path, corpus):
     import ray
 
@@ -132,7 +112,9 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
 
 
 def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_text, monkeypatch):
-    """M=1 x 2 workers (real 2-rank gloo DDP): ranks stay identical; the export (written by the
+    """M=1 x 2 workers (real 2-rank gloo DDP): both ranks hold the same local parameters after
+    every outer step (``run.log_hashes``; within a round: ``test_ddp_ranks_hold_identical_parameters``);
+    the export (written by the
     driver a parameter at a time from two outer-shard actors) loads in transformers and gives the
     checkpoint's loss; ``ray-diloco eval`` on the cluster (tasks with
     the run's worker resources, each reading outer.pt itself; or, where a task cannot see it, fed
@@ -144,13 +126,17 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     cfg = load_config(tiny_overrides(tmp_path, diloco__replicas=1, diloco__workers_per_replica=2,
                                      run__steps=20, run__eval_every=2, run__name="ddp", data__path=str(small_text),
                                      run__eval_tokens=4000,  # evaluations read a cut validation split
+                                     run__log_hashes=True,  # each worker's parameters after every outer step
                                      diloco__outer_shards=2))  # the export reads each parameter from 2 shard actors
     summary = train(cfg)
     run_dir = tmp_path / "runs" / "ddp"
     assert summary["run_dir"] == str(run_dir) and json.loads((run_dir / "summary.json").read_text())["inner_steps"] == 20
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5  # uniform prediction: ln(vocab)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["outer_step"] for r in rows] == [1, 2, 3, 4] and [("eval_loss" in r) for r in rows] == [0, 1, 0, 1]
+    for r in rows:  # both ranks' parameters, compared: equal to each other, and moved by every outer step
+        assert len(r["worker_params_sha256"]) == 2 and len(set(r["worker_params_sha256"])) == 1, r["outer_step"]
+    assert len({r["worker_params_sha256"][0] for r in rows}) == 4
     val = corpus.val[:4001]  # what the run's evaluations read (its recorded fingerprint is of this cut)
     assert len(corpus.val) > len(val)
     ckpt_loss, step, path = evaluate_run(run_dir)
@@ -172,7 +158,6 @@ def test_two_worker_ddp_replica_and_export(ray_session, tmp_path, corpus, small_
     n = val_windows(val, 16)
     total, count = evaluate_loss(model, val, 16, np.arange(n), 256)
     assert total / count == pytest.approx(ckpt_loss, abs=1e-6)
-    # both ranks of the replica held identical parameters: the DDP run is reproducible from rank 0
     assert (run_dir / "final" / "model.safetensors").is_file() and (run_dir / "final" / "tokenizer.json").is_file()
     # ready for transformers' generate: the char tokenizer has no EOS, so nothing stops it early, and
     # the KV cache is on
@@ -209,7 +194,7 @@ def test_dp_baseline_trains_with_same_metrics(ray_session, tmp_path, corpus):
     summary = train(cfg, corpus=corpus, model_fn=torch_lm)
     assert summary["algorithm"] == "dp" and summary["bytes_sent"] == 0
     assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5
-    rows = [json.loads(x) for x in (tmp_path / "runs" / "dp" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "runs" / "dp")
     assert {"train_loss", "inner_lr", "tokens_per_s", "inner_compute_s", "eval_loss"} <= set(rows[-1])
 
 
@@ -347,7 +332,7 @@ def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(r
     (run_dir / "metrics.jsonl").write_text(json.dumps({"outer_step": 1, "inner_step": 5, "train_loss": 9.9}) + "\n")
     summary = train(None, resume=run_dir, corpus=corpus, model_fn=torch_lm)
     assert summary["inner_steps"] == 10 and summary["config"]["run"]["seed"] == 3
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["outer_step"] for r in rows] == [1, 2] and rows[0]["train_loss"] != 9.9
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 import math
 import re
@@ -10,7 +12,7 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_main
 
 from ray_diloco.errors import DataError
 from ray_diloco.analysis.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, PAPER_SIZES, FormFit,
@@ -198,19 +200,19 @@ def test_predictions_from_the_papers_fits_match_its_4b_and_10b_runs():
 def test_fit_and_predict_cli_write_json_and_plots(tmp_path):
     df, _ = _synthetic_sweep()
     df.to_parquet(tmp_path / "sweep.parquet", index=False)
-    out = run_cli(["fit", str(tmp_path / "sweep.parquet"), "--starts", "4", "--json", str(tmp_path / "f.json")], timeout=300)
+    out = run_main(["fit", str(tmp_path / "sweep.parquet"), "--starts", "4", "--json", str(tmp_path / "f.json")])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "independent power laws" in out.stdout and "<- best" in out.stdout
     fits = json.loads((tmp_path / "fits.json").read_text())
     assert fits == json.loads((tmp_path / "f.json").read_text())
     for png in ("loss_vs_N.png", "residuals.png", "optimal_hparams.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    pred = run_cli(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "2.56e8", "--replicas", "2",
-                    "--json", str(tmp_path / "p.json")], timeout=120)
+    pred = run_main(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "2.56e8", "--replicas", "2",
+                    "--json", str(tmp_path / "p.json")])
     assert pred.returncode == 0, pred.stderr
     p = json.loads((tmp_path / "p.json").read_text())
     assert f"{p['eval_loss']:.4f}" in pred.stdout and p["outer_lr"] == 0.4
-    paper = run_cli(["predict", "--params", "4e9", "--replicas", "2"], timeout=300)
+    paper = run_main(["predict", "--params", "4e9", "--replicas", "2"])
     assert paper.returncode == 0 and "published Scaling Laws for DiLoCo fits" in paper.stdout, paper.stderr
 
 
@@ -242,7 +244,7 @@ def test_fit_and_predict_bad_input_is_one_line(tmp_path, args, expected):
     args = [str(tmp_path / "f.json") if x in ("FOREIGN_JSON", "FILE") else str(tmp_path) if x == "DIR"
             else str(tmp_path / "table.csv") if x == "TABLE" else x for x in args]
     (tmp_path / "f.json").write_text('{"model": "gpt", "loss": 1.0}')
-    out = run_cli(args, timeout=120)
+    out = run_main(args)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr
 
@@ -277,7 +279,7 @@ def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
     3 widths x {DP, M=1, M=2} x 2 inner lrs on Tiny Shakespeare) through fit and predict."""
     table = load_table(FIXTURE)
     assert table["N"].nunique() >= 3 and set(table["M"]) >= {0, 1, 2}
-    out = run_cli(["fit", str(FIXTURE), "--out", str(tmp_path), "--starts", "8"], timeout=300)
+    out = run_main(["fit", str(FIXTURE), "--out", str(tmp_path), "--starts", "8"])
     assert out.returncode == 0, out.stderr[-2000:]
     fits = json.loads((tmp_path / "fits.json").read_text())
     for name in ("DP", "M=1", "M=2"):
@@ -285,7 +287,7 @@ def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
         assert law["alpha"] < 0 and law["r2"] > 0.8, (name, law)  # bigger models reach lower loss
     assert all((tmp_path / p).is_file() for p in ("loss_vs_N.png", "residuals.png", "optimal_hparams.png"))
     n_big = 4 * max(table["N"])
-    pred = run_cli(["predict", "--fits", str(tmp_path / "fits.json"), "--params", str(n_big), "--replicas", "2"], timeout=120)
+    pred = run_main(["predict", "--fits", str(tmp_path / "fits.json"), "--params", str(n_big), "--replicas", "2"])
     assert pred.returncode == 0, pred.stderr
     best_seen = table[table["M"] == 2]["eval_loss"].min()
     assert "eval loss" in pred.stdout
@@ -337,23 +339,15 @@ def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
     assert "loss_warning" not in predict(fits, 4e9, 2)
 
 
-def test_predict_reads_null_misses_and_refuses_hand_edited_fits_in_one_line(tmp_path, capsys):
+def test_predict_reads_null_misses_and_refuses_hand_edited_fits_in_one_line(tmp_path):
     """A fits.json that fit wrote with an overflowed (null) residual is read, shown as n/a; a
     hand-edited one with a value of the wrong type or shape is one error line, exit 2."""
-    import signal
-
-    from ray_diloco.runtime import cluster
-    from ray_diloco.cli import _write_json, main
+    from ray_diloco.cli import _write_json
 
     def run(fits):
         _write_json(str(tmp_path / "fits.json"), fits)
-        saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
-        try:
-            rc = main(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "4e9", "--replicas", "2"])
-        finally:
-            signal.signal(signal.SIGTERM, saved[0])
-            cluster.GRACEFUL_SIGTERM = saved[1]
-        return rc, capsys.readouterr()
+        out = run_main(["predict", "--fits", str(tmp_path / "fits.json"), "--params", "4e9", "--replicas", "2"])
+        return out.returncode, SimpleNamespace(out=out.stdout, err=out.stderr)
 
     fits = paper_fits()
     fits["forms"][fits["best_form"]]["residual"] = float("inf")
@@ -373,15 +367,33 @@ def test_a_power_law_beyond_floats_is_one_error():
         fit_power_law([1e6, 2e6], [1e100, 1.0], "eval_loss")
 
 
-def test_fit_and_predict_of_a_table_use_the_same_number_of_starts():
+def test_fit_and_predict_of_a_table_use_the_same_number_of_starts(tmp_path, monkeypatch):
     """`ray-diloco fit TABLE` and `predict --fits TABLE` fit with the same default number of random
-    starts (they chose different forms on the same table when they differed: 32 against 64)."""
+    starts (they chose different forms on the same table when they differed: 32 against 64): both
+    commands run on one table, each says how many starts it used, and they pick the same form. The
+    default is made 3 for the run (32 starts take half a minute here): a command that does not take
+    its starts from the one default shows another count."""
     import inspect
 
+    from ray_diloco.analysis import laws
     from ray_diloco.cli import _parser
-    from ray_diloco.analysis.laws import DEFAULT_STARTS
+
+    DEFAULT_STARTS = laws.DEFAULT_STARTS
 
     assert _parser().parse_args(["fit", "t.csv"]).starts is None  # None: DEFAULT_STARTS in _cmd_fit
     assert inspect.signature(fit_all).parameters["starts"].default == DEFAULT_STARTS == 32
     fit_help = next(a for a in _parser()._subparsers._group_actions[0].choices["fit"]._actions if a.dest == "starts").help
     assert f"default {DEFAULT_STARTS}" in fit_help
+    monkeypatch.setattr(laws, "DEFAULT_STARTS", 3)
+    monkeypatch.setattr(laws.fit_all, "__defaults__", (3,))
+    DEFAULT_STARTS = 3
+    df, _ = _synthetic_sweep()
+    table = tmp_path / "table.csv"
+    df[df["num_parameters"] < 20e6].to_csv(table, index=False)  # 3 sizes: the forms are fitted
+    fit = run_main(["fit", str(table), "--out", str(tmp_path / "fit")])
+    pred = run_main(["predict", "--fits", str(table), "--params", "1e9", "--replicas", "2"])
+    assert fit.returncode == 0 and pred.returncode == 0, fit.stderr + pred.stderr
+    said = f"({DEFAULT_STARTS} starts per fit)"
+    assert said in fit.stderr and said in pred.stderr, (fit.stderr, pred.stderr)
+    best = json.loads((tmp_path / "fit" / "fits.json").read_text())["best_form"]
+    assert best and f"form {best}" in pred.stdout, (best, pred.stdout)

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from helpers import run_main
 
 from ray_diloco.errors import ConfigError
 from ray_diloco.analysis.simulate import (BANDWIDTH_GRID_GBPS, PAPER_TABLE4, Method, ModelSpec, Network, compute_utilisation,
@@ -85,21 +85,21 @@ def test_wall_clock_and_step_time():
 
 
 def test_simulate_cli_paper_table_json_and_plot(tmp_path):
-    out = run_cli(["simulate", "--paper-table", "--json", str(tmp_path / "t.json")], timeout=120)
+    out = run_main(["simulate", "--paper-table", "--json", str(tmp_path / "t.json")])
     assert out.returncode == 0, out.stderr
     assert "Streaming+overlap+FP4" in out.stdout and "within one grid step" in out.stdout
     rows = json.loads((tmp_path / "t.json").read_text())
     assert {"model": "1B", "method": "dp", "H": 1, "target": 0.95, "gbps": 268.3, "paper_gbps": 222.3,
             "table": "streaming-4"} in [{**r, "gbps": round(r["gbps"], 1)} for r in rows]
     assert {r["method"] for r in rows} == {"dp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4"}
-    tgt = run_cli(["simulate", "--params", "1e10", "--layers", "48", "--step-s", "0.8", "--target", "0.95",
-                   "--plot", str(tmp_path / "cu.png"), "--json", str(tmp_path / "b.json")], timeout=120)
+    tgt = run_main(["simulate", "--params", "1e10", "--layers", "48", "--step-s", "0.8", "--target", "0.95",
+                   "--plot", str(tmp_path / "cu.png"), "--json", str(tmp_path / "b.json")])
     assert tgt.returncode == 0, tgt.stderr
     b = json.loads((tmp_path / "b.json").read_text())
     assert [r["target"] for r in b] == [0.95] * 5 and (tmp_path / "cu.png").read_bytes()[:4] == b"\x89PNG"
     dp = next(r for r in b if r["method"] == "dp")
     assert dp["gbps"] == pytest.approx(required_bandwidth(ModelSpec("x", 1e10, 48, 0.8), Method("dp"), 0.95))
-    bad = run_cli(["simulate", "--target", "95"], timeout=60)
+    bad = run_main(["simulate", "--target", "95"])
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: --target = 95.0: must be a utilisation in (0, 1), for example 0.95"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -132,15 +133,21 @@ def test_a_damaged_entry_is_rebuilt(src, tmp_path):
 
 
 def test_an_unwritable_cache_leaves_the_corpus_in_memory_with_one_note(src, tmp_path, capsys):
-    if os.geteuid() == 0:
-        pytest.skip("root writes into a read-only directory")
+    """A cache directory nobody may write: a read-only mount (root, as on CI, writes through
+    permission bits) or, for another user, a directory without write permission."""
     cache = tmp_path / "ro"
     cache.mkdir()
-    cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    if os.geteuid() == 0:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(cache)], capture_output=True)
+        assert mounted.returncode == 0, mounted.stderr
+        undo = ["umount", "-l", str(cache)]
+    else:
+        cache.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        undo = ["chmod", "700", str(cache)]
     try:
         c = load_corpus(cfg_for(src, cache))
     finally:
-        cache.chmod(stat.S_IRWXU)
+        subprocess.run(undo, check=True)
     assert isinstance(c.train, np.ndarray) and c.fingerprint == D._tokenized(cfg_for(src, cache), None).fingerprint
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("note: data.cache_dir") and "stays in memory" in err[0]

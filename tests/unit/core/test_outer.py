@@ -95,65 +95,6 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
     assert maths.state_hash() == one_call.state_hash()
 
 
-@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
-def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
-    """Two replicas' wire messages reach the driver actor through the object store; the round
-    completes once both are in, both get the same reply, and the driver's global parameters
-    equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do). With
-    fp4 the driver starts without global parameters and gets them later, as the trainer does it
-    (its process starts while the replicas start); they can be given only once."""
-    from ray_diloco.config import load_config
-    from ray_diloco.runtime.driver import OuterDriverActor
-    from ray_diloco.core.wire import Downlink, apply_downlink, message_values
-    from ray_diloco.core.quantize import quantize_message
-    from ray_diloco.runtime.link import resolve_reply
-
-    ray = ray_session
-    cfg = load_config({"streaming": {"quantization": fmt}})
-    theta0 = np.random.default_rng(5).standard_normal(1001).astype(np.float32)
-    if fmt == "none":
-        driver = OuterDriverActor.remote([theta0], cfg.to_dict())
-    else:
-        driver = OuterDriverActor.remote(None, cfg.to_dict())
-        ray.get(driver.init_global.remote([theta0]))
-    with pytest.raises(RuntimeError, match="global parameters are already set"):
-        ray.get(driver.init_global.remote([theta0 + 1]))
-    local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False, 1)
-    held = torch.tensor(theta0)  # what a replica holds
-    for k in (1, 2, 3):
-        ds = _deltas(10 + k, 1001, 2)
-        msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
-        first = driver.exchange.remote(0, k, 0, 1.0, msgs[0], k - 1)
-        ready, _ = ray.wait([first], timeout=0.5)
-        assert not ready  # the round waits for the second replica
-        replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
-        assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
-        assert isinstance(replies[0].message, ray.ObjectRef)  # one object for every receiver
-        reply = resolve_reply(replies[0])
-        out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
-        out["message"] = downlink.encode(local, 0, out["before"])
-        fmt_got, values = message_values(reply.message)
-        assert fmt_got == fmt and np.array_equal(values, message_values(out["message"])[1]) and not reply.resync
-        assert reply.nbytes == len(out["message"])
-        held = apply_downlink(held, reply.message)
-        (glob,) = ray.get(driver.global_params.remote())
-        assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
-    assert ray.get(driver.state_hash.remote()) == local.state_hash()
-    assert ray.get(driver.pending_rounds.remote()) == 0  # no round left open
-    late = ray.get(driver.exchange.remote(0, 3, 0, 1.0, msgs[0], 2))  # the newest completed round
-    assert late.status == "ok" and late.version == 3  # its own reply again (replica 0 was in it)
-    old = ray.get(driver.exchange.remote(0, 2, 0, 1.0, msgs[0], 1))  # forgotten (one kept per fragment)
-    assert old.status == "dropped" and old.resync and old.version == 3
-    stale = ray.get(driver.exchange.remote(0, 1, 0, 1.0, msgs[0], 2))  # a version not the round's base: resync
-    assert stale.resync and stale.version == 3
-    for bad in [(5, 9, 0, 1.0, msgs[0]),  # no such fragment
-                (0, 9, 7, 1.0, msgs[0]),  # no such replica
-                (0, 9, 0, 1.0, b"junk")]:  # not a wire message
-        with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):
-            ray.get(driver.exchange.remote(*bad))
-    ray.kill(driver)
-
-
 @pytest.mark.parametrize("name,momentum,average_only", [("nesterov", 0.9, False), ("sgd", 0.9, False),
                                                          ("sgd", 0.0, False), ("nesterov", 0.9, True)])
 def test_the_chunked_step_is_bitwise_torch_sgd_on_the_ordered_mean(name, momentum, average_only):

@@ -189,8 +189,8 @@ def _lockstep(replicas: list[Replica], start: int, end: int) -> None:
 
 
 def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, trace=False, M=2, H=12,
-           mirror=False):
-    schedule = SyncSchedule(H=H, num_fragments=len(FRAGMENTS), overlap=tau, total_steps=T)
+           mirror=False, closing="average"):
+    schedule = SyncSchedule(H=H, num_fragments=len(FRAGMENTS), overlap=tau, total_steps=T, closing=closing)
     driver = MemoryDriver([flatten(_initial(), f) for f in FRAGMENTS], M, fmt, fail)
     return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, trace, mirror) for m in range(M)]
 
@@ -236,14 +236,16 @@ def _unflatten(params: dict[str, torch.Tensor], f: int, flat: torch.Tensor) -> N
         off += p.numel
 
 
-@pytest.mark.parametrize("fmt,mirror", [("none", False), ("fp4_e3m0", False), ("none", True), ("fp4_e3m0", True)])
+@pytest.mark.parametrize("fmt,mirror,closing", [("none", False, "average"), ("fp4_e3m0", False, "average"),
+                                                ("none", True, "outer"), ("fp4_e3m0", True, "average")])
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
-def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha, mirror):
-    """Streaming fragments (4, strided), tau 2, a closing round at T=64: both replicas hold
+def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fmt, alpha, mirror, closing):
+    """Streaming fragments (4, strided), tau 2, a closing round at T=64 (the replicas' mean, or
+    with ``closing_round: outer`` an outer step like the others): both replicas hold
     bitwise-identical global fragments, equal to the driver's and to a direct replay with
     ``OuterOptimizer``; the local parameters follow the replay too. ``mirror``: the same with
     device globals (``core.staging``: pseudo-gradients and merges computed on the device copies)."""
-    schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt, mirror=mirror)
+    schedule, driver, reps = _setup(tau=2, T=64, alpha=alpha, fmt=fmt, mirror=mirror, closing=closing)
     _lockstep(reps, 0, 36)
     [r.sync.settle() for r in reps]  # every round sent so far answered (merges stay at their step)
     made, rounds = [r.sync.buffers.allocated for r in reps], sum(driver.versions)

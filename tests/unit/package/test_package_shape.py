@@ -9,7 +9,7 @@ import ast
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 PKG = ROOT / "ray_diloco"
 #: Each layer may import from itself and the layers below it: errors < config (typed, no torch, no Ray)

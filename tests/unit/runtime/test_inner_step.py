@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import tiny_overrides, torch_lm
+from helpers import tiny_overrides, torch_lm
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError

@@ -1,0 +1,312 @@
+"""Helpers shared by the test files: tiny configs, test models, the CLI in or out of process, run
+directories, waiting on a condition. One importable module, so Ray workers that build a test model
+need only ``tests/`` on their path."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"
+
+
+def tiny_overrides(tmp_path: Path, **extra) -> dict:
+    """A config dict for a ~24k-parameter model (the `tiny` preset's family, shrunk) that trains
+    in seconds on 2 cores."""
+    cfg = {
+        "model": {"preset": "tiny", "n_layers": 2, "n_heads": 2, "d_model": 32, "d_ff": 64, "context": 16},
+        "data": {"seq_len": 16},
+        "inner": {"lr": 3e-3, "warmup_steps": 2, "global_batch": 4},
+        "outer": {"lr": 0.7, "momentum": 0.9},
+        "diloco": {"replicas": 2, "workers_per_replica": 1, "H": 5},
+        "run": {"steps": 15, "eval_every": 1, "eval_batch": 256, "checkpoint_every": 1,
+                "output_dir": str(tmp_path / "runs"), "keep_checkpoints": 10},
+        "tracking": {"wandb": False, "progress": False},
+    }
+    for key, value in extra.items():
+        if "__" not in key:
+            cfg[key] = value
+            continue
+        section, name = key.split("__")
+        cfg.setdefault(section, {})[name] = value
+    return cfg
+
+
+class TorchLM(torch.nn.Module):
+    """A tiny pure-torch decoder (token + position embeddings, pre-norm blocks of causal attention
+    and a GELU MLP, final norm, head): ``[B, T]`` int64 ids to ``[B, T, vocab]`` fp32 logits.
+
+    Tests of the DiLoCo machinery (outer steps, elasticity, streaming) train it instead of the
+    transformers presets: a Ray actor that builds it imports no transformers, which saves about 4 s
+    of CPU per actor on this machine. Its blocks are ``blocks.<i>.``, so fragments follow them.
+    The transformers path is what the CLI, export and model tests train."""
+
+    def __init__(self, shape: dict, vocab_size: int):
+        super().__init__()
+        d, self.heads = shape["d_model"], shape["n_heads"]
+        self.embed = torch.nn.Embedding(vocab_size, d)
+        self.pos = torch.nn.Embedding(shape["context"], d)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm1": torch.nn.LayerNorm(d), "qkv": torch.nn.Linear(d, 3 * d), "proj": torch.nn.Linear(d, d),
+            "norm2": torch.nn.LayerNorm(d), "up": torch.nn.Linear(d, shape["d_ff"]),
+            "down": torch.nn.Linear(shape["d_ff"], d)}) for _ in range(shape["n_layers"]))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        b, t = input_ids.shape
+        x = self.embed(input_ids) + self.pos(torch.arange(t, device=input_ids.device))
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["norm1"](x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](a.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["down"](torch.nn.functional.gelu(blk["up"](blk["norm2"](x))))
+        return self.head(self.norm(x))
+
+
+def torch_lm(shape: dict, vocab_size: int) -> torch.nn.Module:
+    """``model_fn`` building :class:`TorchLM` from the resolved model shape."""
+    return TorchLM(shape, vocab_size)
+
+
+def run_cli(args: list[str], timeout: float = 600, env: dict | None = None):
+    """Run ``ray-diloco ARGS`` in a fresh process; returns CompletedProcess (text)."""
+    import subprocess
+
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ray_diloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=e, cwd=str(ROOT))
+
+
+def start_trainer(cfg, corpus, model_fn=None, resume_state=None):
+    """A started :class:`~ray_diloco.runtime.trainer.Trainer` in a new run directory of ``cfg``:
+    the outer-step loop driven by hand (``t.outer_step(k)``) in integration tests."""
+    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.trainer import Trainer
+
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn, resume_state)
+    t.start()
+    return t
+
+
+class UnitGrad(torch.autograd.Function):
+    """Passes ``logits`` through; the gradient reaching ``s`` is exactly 1, whatever the data."""
+
+    @staticmethod
+    def forward(ctx, s, logits):
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones(()), grad
+
+
+class TwoBlocks(torch.nn.Module):
+    """Two 'blocks' whose every parameter gets gradient exactly 1: with AdamW betas (0, 0), no
+    weight decay, no clipping, eps far below one ulp of 1 and a constant lr, every inner step
+    moves every parameter by exactly -lr (a known constant inner update)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(3, 5), torch.nn.Linear(4, 2)])
+
+    def forward(self, input_ids):
+        s = sum(p.sum() for p in self.parameters())
+        return UnitGrad.apply(s, torch.zeros(*input_ids.shape, self.vocab))
+
+
+def two_blocks_fn(shape, vocab_size):
+    return TwoBlocks(vocab_size)
+
+
+def core_diloco_reference(cfg_dict, train_tokens, vocab_size, rounds):
+    """Plain DiLoCo (arXiv 2311.08105, Algorithm 1) written out in one process, for comparison: each
+    replica's AdamW loop on its own shard, the mean pseudo-gradient, torch's Nesterov SGD.
+    Returns sha256 of the global parameters after each outer step."""
+    import hashlib
+
+    from ray_diloco.components.data import ShardReader
+    from ray_diloco.models.transformer import lm_loss, logits_of
+    from ray_diloco.models.transformer import build_model, make_inner_optimizer
+    from ray_diloco.core.schedules import inner_lr
+
+    from ray_diloco.config import load_config
+    from ray_diloco.core.schedules import outer_step_bounds
+
+    torch.set_num_threads(1)
+    cfg = load_config(cfg_dict, validate=False)
+    M, i = cfg.diloco.replicas, cfg.inner
+    models = [build_model(cfg, vocab_size) for _ in range(M)]
+    opts = [make_inner_optimizer(m, cfg) for m in models]
+    readers = [ShardReader(train_tokens, cfg.data.seq_len, m, M, cfg.run.seed) for m in range(M)]
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    theta = flat(models[0]).clone()
+    outer = torch.optim.SGD([theta], lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+    hashes = []
+    for k in range(1, rounds + 1):
+        start, end = outer_step_bounds(k, cfg.diloco.H, cfg.run.steps)
+        for model, opt, reader in zip(models, opts, readers):
+            for step in range(start, end):
+                for g in opt.param_groups:
+                    g["lr"] = inner_lr(step, i.lr, i.warmup_steps, cfg.run.steps, i.min_lr_ratio)
+                x, y, _ = reader.next_batch(cfg.batch_per_worker)
+                loss, _ = lm_loss(logits_of(model(x)), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        mean = torch.zeros_like(theta)
+        for model in models:
+            mean.add_(theta - flat(model), alpha=1 / M)
+        theta.grad = mean
+        outer.step()
+        with torch.no_grad():
+            for model in models:
+                off = 0
+                for p in model.parameters():
+                    p.copy_(theta[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+        hashes.append(hashlib.sha256(theta.numpy().tobytes()).hexdigest())
+    return hashes
+
+
+class OddShapes(torch.nn.Module):
+    """A model whose parameters are a scalar, 1-D, 2-D and 3-D tensors of odd sizes."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(vocab, 7) * 0.1)
+        self.cube = torch.nn.Parameter(torch.randn(7, 3, 5) * 0.1)
+        self.proj = torch.nn.Parameter(torch.randn(15, vocab) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(vocab))
+        self.gain = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, input_ids):
+        h = torch.tanh(self.emb[input_ids] @ self.cube.reshape(7, 15)) * self.gain
+        return h @ self.proj + self.bias
+
+
+def odd_model_fn(shape, vocab_size):
+    return OddShapes(vocab_size)
+
+
+# ---------------------------------------------------------------------------------------
+# the CLI, run directories, processes
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *needles: str, code: int = 2) -> str:
+    """Assert that ``proc`` (the CLI run out of process, or :func:`run_main` in process) failed with
+    exit ``code``, no traceback and exactly one ``error:`` line on stderr holding every needle;
+    returns that line."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    return errors[0]
+
+
+def run_main(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """``ray-diloco ARGS`` through :func:`ray_diloco.cli.main` in this process (the console
+    script's code without a new interpreter): stdout and stderr captured, ``env`` set for the call,
+    and the SIGTERM handler and ``cluster.GRACEFUL_SIGTERM`` that ``main`` installs put back."""
+    from ray_diloco.cli import main
+    from ray_diloco.runtime import cluster
+
+    saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
+    old_env = {k: os.environ.get(k) for k in (env or {})}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.update(env or {})
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else 2
+    finally:
+        signal.signal(signal.SIGTERM, saved[0])
+        cluster.GRACEFUL_SIGTERM = saved[1]
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["ray-diloco", *args], rc or 0, out.getvalue(), err.getvalue())
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``RUN_DIR/metrics.jsonl`` (one JSON object per outer step)."""
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def tree(root: str | Path) -> list[tuple[str, int]]:
+    """Every path under ``root`` with its modification time (ns): equal snapshots mean nothing
+    was written, replaced or removed."""
+    root = Path(root)
+    return sorted((str(p.relative_to(root)), p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+def wait_for(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.05):
+    """Poll ``pred`` until it returns something true (returned); fail naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(poll)
+    return value
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def pids_with(needle: str) -> list[int]:
+    """PIDs of this machine's processes (not this one) whose command line contains ``needle``."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmd:
+                found.append(int(d))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

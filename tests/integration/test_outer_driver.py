@@ -1,0 +1,219 @@
+"""The outer-optimiser driver actor (runtime/driver.py) on a real local Ray: rounds through the
+object store, K outer-shard actors giving the bits of one, and a replica's link (runtime/link.py)
+encoding on the training device sending the bits of the host path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ray_diloco.config import load_config
+from ray_diloco.core.outer import OuterOptimizer
+from ray_diloco.core.quantize import quantize_with_feedback
+from ray_diloco.core.shards import shard_bounds
+from ray_diloco.core.staging import DeviceStaging
+from ray_diloco.core.sync import SyncBuffers
+from ray_diloco.runtime.link import Link
+
+SIZES = [1001, 70_000]
+
+
+def _deltas(seed, n, m):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(m)]
+
+
+def _split(message_fn, delta, k):
+    return [message_fn(delta[sl]) for sl in shard_bounds(delta.numel(), k)]
+
+
+@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
+    """Two replicas' wire messages reach the driver actor through the object store; the round
+    completes once both are in, both get the same reply, and the driver's global parameters
+    equal a local OuterOptimizer's (the quantised downlink applied exactly as replicas do). With
+    fp4 the driver starts without global parameters and gets them later, as the trainer does it
+    (its process starts while the replicas start); they can be given only once."""
+    from ray_diloco.config import load_config
+    from ray_diloco.runtime.driver import OuterDriverActor
+    from ray_diloco.core.wire import Downlink, apply_downlink, message_values
+    from ray_diloco.core.quantize import quantize_message
+    from ray_diloco.runtime.link import resolve_reply
+
+    ray = ray_session
+    cfg = load_config({"streaming": {"quantization": fmt}})
+    theta0 = np.random.default_rng(5).standard_normal(1001).astype(np.float32)
+    if fmt == "none":
+        driver = OuterDriverActor.remote([theta0], cfg.to_dict())
+    else:
+        driver = OuterDriverActor.remote(None, cfg.to_dict())
+        ray.get(driver.init_global.remote([theta0]))
+    with pytest.raises(RuntimeError, match="global parameters are already set"):
+        ray.get(driver.init_global.remote([theta0 + 1]))
+    local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False, 1)
+    held = torch.tensor(theta0)  # what a replica holds
+    for k in (1, 2, 3):
+        ds = _deltas(10 + k, 1001, 2)
+        msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
+        first = driver.exchange.remote(0, k, 0, 1.0, msgs[0], k - 1)
+        ready, _ = ray.wait([first], timeout=0.5)
+        assert not ready  # the round waits for the second replica
+        replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
+        assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
+        assert isinstance(replies[0].message, ray.ObjectRef)  # one object for every receiver
+        reply = resolve_reply(replies[0])
+        out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
+        out["message"] = downlink.encode(local, 0, out["before"])
+        fmt_got, values = message_values(reply.message)
+        assert fmt_got == fmt and np.array_equal(values, message_values(out["message"])[1]) and not reply.resync
+        assert reply.nbytes == len(out["message"])
+        held = apply_downlink(held, reply.message)
+        (glob,) = ray.get(driver.global_params.remote())
+        assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
+    assert ray.get(driver.state_hash.remote()) == local.state_hash()
+    assert ray.get(driver.pending_rounds.remote()) == 0  # no round left open
+    late = ray.get(driver.exchange.remote(0, 3, 0, 1.0, msgs[0], 2))  # the newest completed round
+    assert late.status == "ok" and late.version == 3  # its own reply again (replica 0 was in it)
+    old = ray.get(driver.exchange.remote(0, 2, 0, 1.0, msgs[0], 1))  # forgotten (one kept per fragment)
+    assert old.status == "dropped" and old.resync and old.version == 3
+    stale = ray.get(driver.exchange.remote(0, 1, 0, 1.0, msgs[0], 2))  # a version not the round's base: resync
+    assert stale.resync and stale.version == 3
+    for bad in [(5, 9, 0, 1.0, msgs[0]),  # no such fragment
+                (0, 9, 7, 1.0, msgs[0]),  # no such replica
+                (0, 9, 0, 1.0, b"junk")]:  # not a wire message
+        with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):
+            ray.get(driver.exchange.remote(*bad))
+    ray.kill(driver)
+
+
+@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
+    """K = 1 and K = 3 drivers get the same pseudo-gradients (K = 3: one object per shard's slice,
+    by reference, as a replica's link sends them; fp4 with error feedback on the downlink) for
+    three rounds of two fragments: the replies decode to the same global fragments bit for bit,
+    the drivers' global parameters, outer state hashes and (K = 1 layout) state dicts are
+    equal; a stale receiver's resync, a checkpoint of the K = 3 driver restored into a K = 2
+    one, and a message in the wrong number of parts behave as they must."""
+    from ray_diloco.config import load_config
+    from ray_diloco.core.wire import decode_reply
+    from ray_diloco.runtime.driver import OuterDriverActor
+    from ray_diloco.runtime.link import resolve_reply
+
+    ray = ray_session
+    sizes = [1001, 70_000]
+    rng = np.random.default_rng(1)
+    theta = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+
+    def driver(k):
+        cfg = load_config({"diloco": {"outer_shards": k}, "streaming": {"quantization": fmt, "error_feedback": True}})
+        d = OuterDriverActor.remote(None, cfg.to_dict())
+        ray.get(d.init_global.remote([ray.put(t) for t in theta]))
+        return d
+
+    one, three = driver(1), driver(3)
+
+    def encode(x):
+        if fmt == "none":
+            return x.numpy().copy()
+        return np.frombuffer(quantize_with_feedback(x, fmt, None)[0], np.uint8)
+
+    def rounds(d, k, steps):
+        held = [torch.tensor(t) for t in theta]
+        for s in steps:
+            for f, n in enumerate(sizes):
+                ds = [torch.from_numpy(np.random.default_rng(100 * s + 10 * f + m).standard_normal(n).astype(np.float32))
+                      for m in range(2)]
+                msgs = [[ray.put(encode(x)) for x in (_split(lambda y: y, dd, k))] for dd in ds]
+                if k == 1:
+                    msgs = [m[0] for m in msgs]
+                replies = ray.get([d.exchange.remote(f, s, m, 1.0 + m, msgs[m], s // 5 - 1) for m in range(2)])
+                assert replies[0] == replies[1] and replies[0].status == "ok"
+                # decoded into a NaN-filled buffer (as SyncBuffers may hand out): every value is written
+                held[f] = decode_reply(held[f], resolve_reply(replies[0]),
+                                       alloc=lambda n: torch.full((n,), float("nan"))).clone()
+        return held
+
+    a, b = rounds(one, 1, (5, 10, 15)), rounds(three, 3, (5, 10, 15))
+    for x, y, g in zip(a, b, ray.get(three.global_params.remote())):
+        assert torch.equal(x, y) and np.array_equal(g, y.numpy())
+    # a range read across the shards' slices (what the export reads, a parameter at a time)
+    for lo, hi in [(5, 69_000), (0, 70_000), (23_400, 23_500), (7, 7)]:
+        assert np.array_equal(ray.get(three.read_unit.remote(1, lo, hi)), b[1].numpy()[lo:hi])
+    assert ray.get(one.state_hash.remote()) == ray.get(three.state_hash.remote())
+    s1, s3 = ray.get(one.state_dict.remote()), ray.get(three.state_dict.remote())
+    for f in range(2):
+        assert np.array_equal(s1["global"][f], s3["global"][f])
+        assert (s1["residuals"][f] is None) == (s3["residuals"][f] is None)
+        if s1["residuals"][f] is not None:
+            assert np.array_equal(s1["residuals"][f], s3["residuals"][f])
+        assert torch.equal(s1["optimizers"][f]["state"][0]["momentum_buffer"],
+                           s3["optimizers"][f]["state"][0]["momentum_buffer"])
+    stale = ray.get(three.exchange.remote(0, 5, 0, 1.0, None, 0))  # forgotten round, old version: resync
+    assert stale.resync and stale.version == 3 and isinstance(stale.message, list) and len(stale.message) == 3
+    assert np.array_equal(decode_reply(torch.zeros(sizes[0]), resolve_reply(stale)).numpy(), s1["global"][0])
+    two = driver(2)
+    ray.get(two.load_state_dict.remote(s3))  # a checkpoint does not depend on K
+    c, d = rounds(one, 1, (20,)), rounds(two, 2, (20,))
+    assert all(torch.equal(x, y) for x, y in zip(c, d))
+    assert ray.get(one.state_hash.remote()) == ray.get(two.state_hash.remote())
+    assert all(np.array_equal(x, y) for x, y in zip(ray.get(one.global_params.remote()),
+                                                    ray.get(two.global_params.remote())))
+    with pytest.raises(ray.exceptions.RayTaskError, match="in 1 parts, expected diloco.outer_shards = 3"):
+        ray.get(three.exchange.remote(0, 25, 0, 1.0, [ray.put(encode(torch.zeros(sizes[0])))], 4))
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"shard \d of fragment 0 has \d+ values, got 10"):
+        ray.get(three.exchange.remote(0, 25, 1, 1.0, [ray.put(encode(torch.zeros(10)))] * 3, 4))
+    for d in (one, two, three):
+        ray.kill(d)
+
+
+def _rounds(ray, cfg, mirror: bool):
+    """Three rounds of two fragments for replicas 0 and 1 through their links; returns every
+    new global value each replica received, the links' residuals and whether values were staged."""
+    from ray_diloco.runtime.driver import OuterDriverActor
+
+    rng = np.random.default_rng(0)
+    theta = [rng.standard_normal(n).astype(np.float32) for n in SIZES]
+    driver = OuterDriverActor.remote(None, cfg.to_dict())
+    ray.get(driver.init_global.remote([ray.put(t) for t in theta]))
+    s = cfg.streaming
+    links = [Link(driver, m, 0, s.quantization, s.error_feedback, shards=cfg.diloco.outer_shards,
+                  buffers=SyncBuffers(), staging=DeviceStaging("cpu", mirror=True) if mirror else None)
+             for m in range(2)]
+    held = [[torch.from_numpy(t.copy()) for t in theta] for _ in range(2)]
+    received, staged = [], []
+    for k, step in enumerate((5, 10, 15)):
+        for f, n in enumerate(SIZES):
+            futures = []
+            for m, link in enumerate(links):
+                d = torch.from_numpy(np.random.default_rng(100 * step + 10 * f + m).standard_normal(n).astype(np.float32))
+                if mirror:  # a "device" tensor, handed off as FragmentSync does
+                    futures.append(link.exchange(f, step, 1.0 + m, d, held[m][f], k, ready=link.staging.hand_off(d)))
+                else:  # into a host buffer, as FragmentSync does without staging
+                    futures.append(link.exchange(f, step, 1.0 + m, link.buffers.take(n).copy_(d), held[m][f], k))
+            for m, fut in enumerate(futures):
+                res = fut.result(timeout=60)
+                assert res.status == "ok" and res.version == k + 1
+                held[m][f] = res.new_global.clone()
+                received.append(res.new_global.clone())
+                staged.append(res.staged is not None and torch.equal(res.staged, res.new_global))
+    residuals = [link.residual_state() for link in links]
+    for link in links:
+        link.close()
+    ray.kill(driver)
+    return received, residuals, staged
+
+
+@pytest.mark.parametrize("fmt,shards", [("none", 1), ("int8", 2)])
+def test_a_link_encoding_on_the_device_sends_the_bits_of_the_host(ray_session, fmt, shards):
+    """With error feedback and K outer shards: the new global values and the residuals are bit for
+    bit those of the host path, and every new global value came back staged on the device."""
+    cfg = load_config({"diloco": {"outer_shards": shards}, "streaming": {"quantization": fmt, "error_feedback": True}})
+    host, host_res, host_staged = _rounds(ray_session, cfg, mirror=False)
+    dev, dev_res, dev_staged = _rounds(ray_session, cfg, mirror=True)
+    assert len(host) == len(dev) == 12
+    assert all(torch.equal(a, b) for a, b in zip(host, dev))
+    assert not any(host_staged) and all(dev_staged)
+    for a, b in zip(host_res, dev_res):
+        assert a.keys() == b.keys() and all(np.array_equal(a[f], b[f]) for f in a)
+    assert fmt == "none" or all(len(r) == 2 for r in dev_res)  # quantised: a residual per fragment
