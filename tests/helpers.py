@@ -310,3 +310,81 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---------------------------------------------------------------------------------------
+# oracles: the outer step and the downlink written out in one call each, for tests to compare the
+# driver's chunked, in-place production path with (core.outer.OuterOptimizer.step_ordered and
+# core.wire.Downlink.encode_update)
+
+
+def ordered_mean(deltas: list, weights: list[float]):
+    """The ``core.outer.OrderedMean`` of pseudo-gradients ``[numel]`` fp32 (weights: tokens
+    trained) in the order given, as the driver adds them; a zero-weight term is checked for size
+    and left out. Raises ValueError on empty input, mismatched shapes or a total weight <= 0."""
+    import numpy as np
+
+    from ray_diloco.core.outer import OrderedMean
+
+    if not deltas or len(deltas) != len(weights):
+        raise ValueError(f"got {len(deltas)} pseudo-gradients and {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"total weight {total} must be > 0")
+    mean = OrderedMean(np.asarray(deltas[0]).size)
+    for d, w in zip(deltas, weights):
+        if w > 0:
+            mean.add(d, w)
+        elif np.asarray(d).size != mean.numel:
+            raise ValueError(f"pseudo-gradient has {np.asarray(d).size} values, expected {mean.numel}")
+    return mean
+
+
+def average_pseudo_gradients(deltas: list, weights: list[float]) -> torch.Tensor:
+    """The weighted fp32 mean of pseudo-gradients as the driver computes it (bit for bit)."""
+    return ordered_mean(deltas, weights).take()
+
+
+def outer_step(opt, fragment: int, weights: list[float], *deltas, average_only: bool = False) -> dict:
+    """One outer step of ``opt`` (a ``core.outer.OuterOptimizer``) on ``fragment`` with the
+    replicas' pseudo-gradients (fp32 ``[numel_p]``) in the order given: ``step_ordered`` on their
+    :func:`ordered_mean` (DiLoCo, arXiv 2311.08105, Algorithm 1 lines 8-12; ``average_only``: the
+    closing round, the global fragment becomes the replicas' mean). Returns ``{"before": fp32
+    [numel_p] (the global fragment before the step), "update_norm", "step", "delta_norms"}``."""
+    import numpy as np
+
+    p = opt.params[fragment]
+    mean = ordered_mean(list(deltas), list(weights))
+    if mean.numel != p.numel():
+        raise ValueError(f"pseudo-gradient has {mean.numel} values, expected {p.numel()}")
+    before = p.clone()
+    opt.step_ordered(fragment, mean, average_only)
+    return {"before": before, "update_norm": float((p - before).norm()), "step": opt.steps[fragment],
+            "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas]}
+
+
+def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
+                    residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
+    """The driver's reply for one outer step of a fragment (fp32 ``[numel_p]`` before and after)
+    in ``fmt``: ``(message, applied, new_residual)``. ``none``: the new values themselves;
+    otherwise the update ``new - old`` (+ ``residual``) quantised, ``applied`` what every receiver
+    decodes (``core.wire.apply_downlink``), ``new_residual`` what the encoding lost."""
+    from ray_diloco.core.quantize import encode, quantize_with_feedback, to_message
+    from ray_diloco.core.wire import apply_downlink
+
+    if fmt == "none":
+        return to_message(encode(new_global, "none")), new_global, residual
+    message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
+    return message, apply_downlink(old_global, message), new_residual
+
+
+def downlink_encode(downlink, opt, fragment: int, before: torch.Tensor) -> bytes:
+    """The message of the step ``opt`` just took on ``fragment`` from ``before``, with
+    ``downlink``'s (a ``core.wire.Downlink``) format and residuals; ``opt``'s global fragment
+    becomes the decoded value, as the driver's ``Downlink.encode_update`` leaves it."""
+    message, applied, residual = encode_downlink(before, opt.params[fragment], downlink.fmt,
+                                                 downlink.residuals[fragment])
+    if downlink.error_feedback:
+        downlink.residuals[fragment] = residual
+    opt.set_global(fragment, applied)
+    return message

@@ -127,38 +127,6 @@ class OrderedMean:
         self.terms = []
 
 
-def ordered_mean(deltas: list[np.ndarray], weights: list[float]) -> OrderedMean:
-    """The :class:`OrderedMean` of pseudo-gradients ``[numel]`` (weights: tokens trained) in the
-    order given; a zero-weight term is checked for size and left out.
-
-    Raises:
-        ValueError: on empty input, mismatched shapes or non-positive total weight.
-    """
-    if not deltas or len(deltas) != len(weights):
-        raise ValueError(f"got {len(deltas)} pseudo-gradients and {len(weights)} weights")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError(f"total weight {total} must be > 0")
-    mean = OrderedMean(np.asarray(deltas[0]).size)
-    for d, w in zip(deltas, weights):
-        if w > 0:
-            mean.add(d, w)
-        elif np.asarray(d).size != mean.numel:
-            raise ValueError(f"pseudo-gradient has {np.asarray(d).size} values, expected {mean.numel}")
-    return mean
-
-
-def average_pseudo_gradients(deltas: list[np.ndarray], weights: list[float]) -> torch.Tensor:
-    """Weighted mean in fp32 of pseudo-gradients ``[numel]`` (weights: tokens trained), as the
-    driver computes it (:class:`OrderedMean`, terms in the order given): reproducible bit for
-    bit, exactly the term for one replica.
-
-    Raises:
-        ValueError: on empty input, mismatched shapes or non-positive total weight.
-    """
-    return ordered_mean(deltas, weights).take()
-
-
 def outer_state_hash(globals_: list[np.ndarray], states: list[dict[str, Any]]) -> dict[str, str]:
     """sha256 of the global fragments (fp32, in fragment order) and of the tensors of each
     fragment's optimiser state (per-parameter state dict, in its order): what
@@ -176,9 +144,9 @@ class OuterOptimizer:
     """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
 
     The downlink message (quantised update or full values) is the wire's business
-    (``core.wire.Downlink``): the driver calls :meth:`step`, then ``Downlink.encode``, which
-    adopts the decoded value with :meth:`set_global` so the optimiser holds what every replica
-    holds.
+    (``core.wire.Downlink``): the driver calls :meth:`step_ordered` with ``keep_update``, then
+    ``Downlink.encode_update``, which applies the decoded update in place so the optimiser holds
+    what every replica holds (with ``none`` the driver's reply is the new global fragment itself).
 
     Args:
         initial: one fp32 array ``[numel_p]`` per fragment (the replicas' common initialisation).
@@ -192,37 +160,6 @@ class OuterOptimizer:
         self.steps = [0] * len(self.params)
 
     # -- the outer step --------------------------------------------------------------------
-    def step(
-        self, fragment: int, weights: list[float], *deltas: np.ndarray, average_only: bool = False
-    ) -> dict[str, Any]:
-        """One outer step of ``fragment`` with the replicas' pseudo-gradients ``[numel_p]`` fp32
-        (the driver's arithmetic, :meth:`step_ordered`, with the terms in the order given).
-
-        The weighted mean (fp32) is the gradient of the fragment's outer optimiser; with
-        ``average_only`` (the closing round of a run, see ``SyncSchedule``) the global fragment
-        becomes the weighted mean of the replicas' parameters instead (``global - mean``: outer
-        lr 1, no momentum, optimiser state untouched), so a partial last round does not add a
-        momentum extrapolation.
-
-        Returns ``{"before": fp32 [numel_p] (the global fragment before the step),
-        "update_norm": float, "step": int, "delta_norms": [float per replica]}``.
-
-        Raises:
-            ValueError: empty input, mismatched shapes or non-positive total weight.
-        """
-        p = self.params[fragment]
-        mean = ordered_mean(list(deltas), list(weights))
-        if mean.numel != p.numel():
-            raise ValueError(f"pseudo-gradient has {mean.numel} values, expected {p.numel()}")
-        before = p.clone()
-        self.step_ordered(fragment, mean, average_only)
-        return {
-            "before": before,
-            "update_norm": float((p - before).norm()),
-            "step": self.steps[fragment],
-            "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas],
-        }
-
     def step_ordered(
         self, fragment: int, mean: OrderedMean, average_only: bool = False, keep_update: bool = False
     ) -> tuple[float, torch.Tensor | None]:

@@ -3,7 +3,7 @@ and the byte accounting (Streaming DiLoCo, arXiv 2501.18512, section 2; DiLoCo, 
 
 Uplink: each replica's unreduced pseudo-gradient ``delta = global - local`` (fp32 ``[numel_p]``),
 quantised with ``streaming.quantization`` (plus its error-feedback residual when enabled).
-Downlink (:func:`encode_downlink`, called by the driver after each outer step of
+Downlink (:class:`Downlink`, used by the driver after each outer step of
 ``core.outer.OuterOptimizer``): with ``none`` the new global fragment in fp32; otherwise the
 quantised outer update ``u = new - old``, which every receiver (and the driver itself) applies
 with :func:`apply_downlink`, so the driver and every replica hold bitwise-identical global
@@ -27,12 +27,9 @@ import torch
 
 from ray_diloco.core.quantize import (
     decode,
-    encode,
     from_message,
     message_nbytes,
     quantize_message,
-    quantize_with_feedback,
-    to_message,
 )
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
@@ -124,32 +121,10 @@ def apply_downlink(
     return torch.add(old_global, torch.from_numpy(decoded), out=out)
 
 
-def encode_downlink(
-    old_global: torch.Tensor, new_global: torch.Tensor, fmt: str, residual: torch.Tensor | None = None
-) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
-    """Encode the driver's reply for one outer step of a fragment (fp32 ``[numel_p]`` before and
-    after the step) in ``streaming.quantization`` ``fmt``.
-
-    Returns ``(message, applied, new_residual)``. With ``none`` the message carries
-    ``new_global`` itself and ``applied`` is ``new_global`` (the same tensor; ``residual`` is
-    returned as given). Otherwise the update ``new - old`` (plus ``residual``, the downlink
-    error-feedback residual, None: zero) is quantised; ``applied`` is
-    ``apply_downlink(old_global, message)``, exactly what every receiver computes, which the
-    driver must adopt as its global fragment, and ``new_residual`` is what the encoding lost
-    (keep it only with error feedback).
-
-    Raises:
-        ValueError: unknown format, or non-finite values.
-    """
-    if fmt == "none":
-        return to_message(encode(new_global, "none")), new_global, residual
-    message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
-    return message, apply_downlink(old_global, message), new_residual
-
-
 class Downlink:
-    """The outer-optimiser side of the downlink: encodes the reply of each outer step with
-    :func:`encode_downlink` and makes the optimiser hold what every receiver decodes; keeps the
+    """The outer-optimiser side of the downlink: encodes the reply of each outer step (the
+    quantised update, :meth:`encode_update`) and makes the optimiser hold what every receiver
+    decodes; keeps the
     downlink error-feedback residual of each fragment (Streaming DiLoCo, arXiv 2501.18512,
     section 2: quantised communication both ways).
 
@@ -162,20 +137,10 @@ class Downlink:
         self.fmt, self.error_feedback = fmt, error_feedback
         self.residuals: list[torch.Tensor | None] = [None] * num_fragments
 
-    def encode(self, opt: Any, fragment: int, before: torch.Tensor) -> bytes:
-        """The message of the step ``opt`` (a ``core.outer.OuterOptimizer``) just took on
-        ``fragment`` from ``before`` (fp32 ``[numel_p]``); ``opt``'s global fragment becomes the
-        decoded value (``opt.set_global``), bitwise what receivers compute."""
-        message, applied, residual = encode_downlink(before, opt.params[fragment], self.fmt, self.residuals[fragment])
-        if self.error_feedback:
-            self.residuals[fragment] = residual
-        opt.set_global(fragment, applied)
-        return message
-
     def encode_update(self, opt: Any, fragment: int, update: torch.Tensor) -> tuple[bytes, float]:
         """The message of an outer step given as its update (``new - old``, fp32 ``[numel_p]``, as
         ``OuterOptimizer.step_ordered(keep_update=True)`` returns it, the global fragment still
-        ``old``): bitwise :meth:`encode` of the same step, without a copy of the old fragment.
+        ``old``), without a copy of the old fragment.
         ``opt``'s global fragment becomes ``old + dequantised update`` in place (what every
         receiver computes with :func:`apply_downlink`). Not for ``none`` (the reply is the
         fragment itself). Returns the message and the norm of the update applied.

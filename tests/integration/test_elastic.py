@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import alive, descendants, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
+from helpers import alive, descendants, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
 
 from ray_diloco.config import load_config
 from ray_diloco.errors import ClusterError
@@ -58,7 +58,7 @@ def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
     assert time.monotonic() - t0 >= 0.5  # not before the timeout (the events below say why it closed)
     assert r0.status == r1.status == "ok" and r0.version == 1 and r0.message == r1.message
     ref = OuterOptimizer([theta0], cfg.outer)
-    ref.step(0, [100.0, 300.0], d0, d1)
+    outer_step(ref, 0, [100.0, 300.0], d0, d1)
     (glob,) = ray.get(driver.global_params.remote())
     assert np.array_equal(glob, ref.params[0].numpy())
     late = ray.get(driver.exchange.remote(0, 5, 2, 100.0, m2, 0))
@@ -119,7 +119,7 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
                        driver.exchange.remote(0, 5, 2, 1.0, nan_msg, 0)])
     assert [r.status for r in replies] == ["ok", "rejected", "rejected"]
     ref = OuterOptimizer([theta0], cfg.outer)
-    ref.step(0, [1.0], d0)
+    outer_step(ref, 0, [1.0], d0)
     (glob,) = ray.get(driver.global_params.remote())
     assert np.isfinite(glob).all() and np.array_equal(glob, ref.params[0].numpy())
     rejected = [e["replica"] for e in ray.get(driver.take_events.remote()) if e["event"] == "rejected"]

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import downlink_encode, outer_step
+
 from ray_diloco.config import load_config
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import quantize_with_feedback
@@ -63,8 +65,8 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
         assert isinstance(replies[0].message, ray.ObjectRef)  # one object for every receiver
         reply = resolve_reply(replies[0])
-        out = local.step(0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
-        out["message"] = downlink.encode(local, 0, out["before"])
+        out = outer_step(local, 0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
+        out["message"] = downlink_encode(downlink, local, 0, out["before"])
         fmt_got, values = message_values(reply.message)
         assert fmt_got == fmt and np.array_equal(values, message_values(out["message"])[1]) and not reply.resync
         assert reply.nbytes == len(out["message"])

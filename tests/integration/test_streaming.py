@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 from helpers import core_diloco_reference, run_cli, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
 

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import average_pseudo_gradients, downlink_encode, encode_downlink, outer_step
+
 from ray_diloco.config import OuterConfig
-from ray_diloco.core.outer import OuterOptimizer, average_pseudo_gradients
+from ray_diloco.core.outer import OuterOptimizer
 
 
 def _deltas(seed, n, m):
@@ -25,7 +27,7 @@ def test_nesterov_matches_torch_sgd_over_three_steps():
     manual = theta0.astype(np.float64)
     for step in range(3):
         ds = _deltas(step + 1, 37, 3)
-        outer.step(0, [1.0, 1.0, 1.0], *ds)
+        outer_step(outer, 0, [1.0, 1.0, 1.0], *ds)
         ref.grad = torch.tensor(np.mean(np.stack(ds).astype(np.float64), 0).astype(np.float32))
         sgd.step()
         mean = np.mean(np.stack(ds).astype(np.float64), 0)
@@ -42,10 +44,10 @@ def test_sign_identity_and_midpoint():
     theta = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
     local = np.array([0.5, -1.0, 0.25, 2.5], np.float32)
     one = OuterOptimizer([theta], OuterConfig(name="sgd", lr=1.0, momentum=0.0))
-    one.step(0, [1.0], theta - local)
+    outer_step(one, 0, [1.0], theta - local)
     assert np.array_equal(one.params[0].numpy(), local)
     half = OuterOptimizer([theta], OuterConfig(name="sgd", lr=0.5, momentum=0.0))
-    half.step(0, [1.0], theta - local)
+    outer_step(half, 0, [1.0], theta - local)
     assert np.array_equal(half.params[0].numpy(), (theta + local) / 2)
 
 
@@ -59,12 +61,12 @@ def test_weighted_mean_by_tokens():
 def test_state_dict_round_trip_continues_identically():
     theta0 = np.arange(10, dtype=np.float32)
     a = OuterOptimizer([theta0], OuterConfig())
-    a.step(0, [1.0, 1.0], *_deltas(1, 10, 2))
+    outer_step(a, 0, [1.0, 1.0], *_deltas(1, 10, 2))
     b = OuterOptimizer([np.zeros(10, np.float32)], OuterConfig())
     b.load_state_dict(a.state_dict())
     ds = _deltas(2, 10, 2)
-    a.step(0, [1.0, 1.0], *ds)
-    b.step(0, [1.0, 1.0], *ds)
+    outer_step(a, 0, [1.0, 1.0], *ds)
+    outer_step(b, 0, [1.0, 1.0], *ds)
     assert a.state_hash() == b.state_hash()
 
 
@@ -74,7 +76,7 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
     downlink residual, ``set_global``) leaves the optimiser on exactly what a receiver computes
     with ``apply_downlink``, and equals ``wire.Downlink`` (what the driver calls), over steps with
     error feedback."""
-    from ray_diloco.core.wire import Downlink, apply_downlink, encode_downlink
+    from ray_diloco.core.wire import Downlink, apply_downlink
 
     theta0 = np.random.default_rng(3).standard_normal(600).astype(np.float32)
     maths, one_call = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
@@ -82,13 +84,13 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
     held, residual = torch.tensor(theta0), None
     for k in range(3):
         ds = _deltas(20 + k, 600, 2)
-        out = maths.step(0, [1.0, 2.0], *ds)
+        out = outer_step(maths, 0, [1.0, 2.0], *ds)
         assert "message" not in out and torch.equal(out["before"], held)
         message, applied, residual = encode_downlink(out["before"], maths.params[0], fmt, residual)
         maths.set_global(0, applied)
         held = apply_downlink(held, message)
-        ref = one_call.step(0, [1.0, 2.0], *ds)
-        ref["message"] = downlink.encode(one_call, 0, ref["before"])
+        ref = outer_step(one_call, 0, [1.0, 2.0], *ds)
+        ref["message"] = downlink_encode(downlink, one_call, 0, ref["before"])
         ref["update_norm"] = float((one_call.params[0] - ref["before"]).norm())
         assert ref["message"] == message and torch.equal(maths.params[0], held)
         assert torch.equal(one_call.params[0], held) and ref["update_norm"] == float((held - out["before"]).norm())
@@ -147,8 +149,8 @@ def test_the_downlink_from_the_update_is_bitwise_the_downlink_from_the_step(fmt)
     da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
     for k in range(3):
         ds = _deltas(60 + k, n, 2)
-        out = a.step(0, [1.0, 2.0], *ds)
-        msg_a = da.encode(a, 0, out["before"])
+        out = outer_step(a, 0, [1.0, 2.0], *ds)
+        msg_a = downlink_encode(da, a, 0, out["before"])
         mean = OrderedMean(n)
         for d, w in zip(ds, [1.0, 2.0]):
             mean.add(d, w)

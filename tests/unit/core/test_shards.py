@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import outer_step
+
 from ray_diloco.config import OuterConfig
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import BLOCK
@@ -35,7 +37,7 @@ def test_optimizer_state_sliced_and_joined_round_trips_and_steps_the_same(name):
     theta = rng.standard_normal(n).astype(np.float32)
     cfg = OuterConfig(name=name, lr=0.7, momentum=0.9)
     whole = OuterOptimizer([theta], cfg)
-    whole.step(0, [1.0], rng.standard_normal(n).astype(np.float32))
+    outer_step(whole, 0, [1.0], rng.standard_normal(n).astype(np.float32))
     bounds = shard_bounds(n, k)
     state = whole.state_dict()
     parts = []
@@ -45,9 +47,9 @@ def test_optimizer_state_sliced_and_joined_round_trips_and_steps_the_same(name):
                            "optimizers": [slice_optimizer_state(state["optimizers"][0], sl, n)], "steps": [1]})
         parts.append(p)
     d = rng.standard_normal(n).astype(np.float32)
-    whole.step(0, [2.0], d)
+    outer_step(whole, 0, [2.0], d)
     for p, sl in zip(parts, bounds):
-        p.step(0, [2.0], d[sl])
+        outer_step(p, 0, [2.0], d[sl])
     assert np.array_equal(np.concatenate([p.params[0].numpy() for p in parts]), whole.params[0].numpy())
     joined = join_optimizer_states([p.state_dict()["optimizers"][0] for p in parts], bounds)
     for key, v in whole.state_dict()["optimizers"][0]["state"][0].items():

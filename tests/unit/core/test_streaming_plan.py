@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import downlink_encode, outer_step
+
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
@@ -149,8 +151,8 @@ def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
         replicas = [torch.tensor(theta0) for _ in range(3)]
         for _ in range(4):
             deltas = [rng.standard_normal(777).astype(np.float32) * 0.01 for _ in range(2)]
-            out = driver.step(0, [1.0, 1.0], *deltas)
-            out["message"] = downlink.encode(driver, 0, out["before"])
+            out = outer_step(driver, 0, [1.0, 1.0], *deltas)
+            out["message"] = downlink_encode(downlink, driver, 0, out["before"])
             assert len(out["message"]) == message_nbytes(777, fmt) < 4 * 777
             replicas = [apply_downlink(r, out["message"]) for r in replicas]
             for r in replicas:

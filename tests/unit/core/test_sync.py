@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import downlink_encode, outer_step
+
 from ray_diloco.config import OuterConfig
 from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
@@ -83,9 +85,9 @@ class MemoryDriver:
         if (fragment, step) in self.fail or not valid:
             r["replies"] = {m: Reply(FAILED, base) for m in r["in"]}
         else:
-            out = self.opt.step(fragment, [r["in"][m][0] for m in valid], *[r["in"][m][1] for m in valid],
+            out = outer_step(self.opt, fragment, [r["in"][m][0] for m in valid], *[r["in"][m][1] for m in valid],
                                 average_only=r["avg"])
-            message = self.downlink.encode(self.opt, fragment, out["before"])
+            message = downlink_encode(self.downlink, self.opt, fragment, out["before"])
             self.versions[fragment] += 1
             r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, message) for m in r["in"]}
         r["done"].set()
@@ -217,7 +219,7 @@ def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
             deltas = [quantize_message(glob[f] - flatten(locals_[m], FRAGMENTS[f]), fmt)[1].numpy() for m in range(M)]
             w = float((t - last[f]) * TOKENS)
             last[f] = t
-            downlink.encode(opt, f, opt.step(f, [w] * M, *deltas, average_only=schedule.averages(f, t))["before"])
+            downlink_encode(downlink, opt, f, outer_step(opt, f, [w] * M, *deltas, average_only=schedule.averages(f, t))["before"])
             due.append((schedule.apply_step(t), f, opt.params[f].clone()))
         for a, f, new in [d for d in due if d[0] <= t]:
             due.remove((a, f, new))
