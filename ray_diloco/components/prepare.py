@@ -441,6 +441,9 @@ def _init_ray(address: str | None) -> bool:
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
     if ray.is_initialized():
         return False
+    # RAY_ADDRESS (set under `ray job submit`) joins that cluster, as ray.init does by itself: the
+    # object store is then the cluster's, so no size may be given
+    address = address or os.environ.get("RAY_ADDRESS") or None
     try:
         ray.init(
             address=address,

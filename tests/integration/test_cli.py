@@ -32,53 +32,43 @@ from wandb_records import run_contents
     ("network.latency_ms=1e300", ("network.latency_ms", "[0, 60000]")),
     ("network.bandwidth_gbps=1e-300", ("network.bandwidth_gbps", "[1e-6, 1e6]")),
 ])
-def test_invalid_input_one_line_no_traceback(override, needles, tmp_path, capsys):
-    """The CLI's main() in this process (the same code as the console script; the subprocess
-    path is covered by the tests below): exit 2, one error line naming the field, nothing written."""
-    from ray_diloco.runtime import cluster
-    from ray_diloco.cli import main
-
-    saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
-    try:
-        rc = main(["train", "--set", override, "--set", f"run.output_dir={tmp_path}"])
-    finally:
-        signal.signal(signal.SIGTERM, saved[0])
-        cluster.GRACEFUL_SIGTERM = saved[1]
-    out, err = capsys.readouterr()
-    one_error_line(subprocess.CompletedProcess([], rc, out, err), *needles)
+def test_invalid_input_one_line_no_traceback(override, needles, tmp_path):
+    """The CLI's main() in this process (the same code as the console script, which runs in the
+    end-to-end test below): exit 2, one error line naming the field, nothing written."""
+    one_error_line(run_main(["train", "--set", override, "--set", f"run.output_dir={tmp_path}"]), *needles)
     assert not any(tmp_path.iterdir())  # nothing was started or written
 
 
 def test_bad_yaml_and_unknown_preset(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("diloco: [1, 2\n")
-    one_error_line(run_cli(["train", "--config", str(bad)], timeout=120), "bad.yaml", "YAML")
-    one_error_line(run_cli(["train", "--config", "no-such-preset"], timeout=120), "no-such-preset", "presets")
+    one_error_line(run_main(["train", "--config", str(bad)]), "bad.yaml", "YAML")
+    one_error_line(run_main(["train", "--config", "no-such-preset"]), "no-such-preset", "presets")
 
 
-def test_more_workers_than_cpus_is_refused_before_starting(tmp_path):
-    proc = run_cli(["train", "--set", "diloco.replicas=4", "--set", "diloco.cpus_per_worker=1",
-                    "--set", f"run.output_dir={tmp_path}", "--set", "run.name=x"], timeout=300)
+def test_more_workers_than_cpus_is_refused_before_starting(ray_session, tmp_path):
+    """On the session's cluster (this process has joined it: the command joins it too)."""
+    proc = run_main(["train", "--set", "diloco.replicas=4", "--set", "diloco.cpus_per_worker=1",
+                     "--set", f"run.output_dir={tmp_path}", "--set", "run.name=x"])
     line = one_error_line(proc, "diloco.replicas", "4", "CPUs")
-    from ray._private.utils import get_num_cpus  # the CPUs a local ray.init gives the cluster
-
-    assert f"= 4 CPUs, but the Ray cluster has {get_num_cpus():g}:" in line, (get_num_cpus(), line)
+    cpus = ray_session.cluster_resources()["CPU"]
+    assert f"= 4 CPUs, but the Ray cluster has {cpus:g}:" in line, (cpus, line)
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_resume_of_missing_or_corrupt_run(tmp_path):
-    one_error_line(run_cli(["train", "--resume", str(tmp_path / "nope")], timeout=120), "nope")
-    one_error_line(run_cli(["eval", str(tmp_path / "nope")], timeout=120), "nope")
+def test_resume_of_missing_or_corrupt_run(ray_session, tmp_path):
+    one_error_line(run_main(["train", "--resume", str(tmp_path / "nope")]), "nope")
+    one_error_line(run_main(["eval", str(tmp_path / "nope")]), "nope")
     run = tmp_path / "run"
     ck = run / "checkpoints" / "step_000002"
     ck.mkdir(parents=True)
     (run / "config.yaml").write_text("run:\n  steps: 10\n")
     (ck / "state.pt").write_bytes(b"\x80\x02garbage that is not a checkpoint")
     before = (ck / "state.pt").read_bytes()
-    line = one_error_line(run_cli(["train", "--resume", str(run)], timeout=120), "state.pt", "corrupt")
+    line = one_error_line(run_main(["train", "--resume", str(run)]), "state.pt", "corrupt")
     assert str(ck) in line
-    one_error_line(run_cli(["eval", str(run)], timeout=120), "corrupt")
-    one_error_line(run_cli(["eval", str(run), "--workers", "0"], timeout=120), "--workers = 0", ">= 1")
+    one_error_line(run_main(["eval", str(run)]), "corrupt")
+    one_error_line(run_main(["eval", str(run), "--workers", "0"]), "--workers = 0", ">= 1")
     assert (ck / "state.pt").read_bytes() == before  # nothing already written is touched
 
 
@@ -104,18 +94,21 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_train_eval_generate_then_stop_kill_and_resume_match_the_uninterrupted_run(tmp_path, small_text):
+def test_train_eval_generate_then_stop_kill_and_resume_match_the_uninterrupted_run(tmp_path, small_text, ray_address):
     """`ray-diloco train` as a user runs it (the console script, W&B offline), then `eval` and
     `generate` on its run directory. A second run of the same config is stopped with SIGTERM
     (`ray job stop`, `kill`) after its second checkpoint: it exits 130 without a traceback, stops
     its actors and its local Ray, and leaves only complete checkpoints. Resumed, it is killed
     whole (SIGKILL to the driver and its Ray) after its fourth checkpoint, and resumed again: every
-    outer update, the outer momentum and the data read equal those of the first run, bit for bit."""
+    outer update, the outer momentum and the data read equal those of the first run, bit for bit.
+    The first run and the last resume join the session's Ray cluster (``RAY_ADDRESS``); the
+    interrupted ones start their own, which the signals stop with them."""
     cfg = _write_config(tmp_path, small_text, run__steps=90, run__eval_every=0, run__keep_checkpoints=3,
                         tracking__wandb=True)
     script = str(Path(sys.executable).parent / "ray-diloco")
     full = subprocess.run([script, "train", "--config", str(cfg), "--set", "run.name=full"], capture_output=True,
-                          text=True, timeout=600, cwd=str(ROOT), env=dict(os.environ, WANDB_MODE="offline"))
+                          text=True, timeout=600, cwd=str(ROOT),
+                          env=dict(os.environ, WANDB_MODE="offline", RAY_ADDRESS=ray_address))
     assert full.returncode == 0, full.stderr[-3000:]
     full_dir = tmp_path / "runs" / "full"
     assert f"run directory: {full_dir}" in full.stdout
@@ -161,7 +154,7 @@ def test_train_eval_generate_then_stop_kill_and_resume_match_the_uninterrupted_r
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
     proc.communicate()
     assert not (run_dir / "summary.json").exists()
-    resumed = run_cli(["train", "--resume", str(run_dir)])
+    resumed = run_cli(["train", "--resume", str(run_dir)], env={"RAY_ADDRESS": ray_address})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = rows, read_metrics(run_dir)
     assert [r["outer_step"] for r in b] == [r["outer_step"] for r in a] == list(range(1, 19))
@@ -213,21 +206,21 @@ def test_unreachable_ray_address_fails_fast(tmp_path):
     assert time.time() - t < 60 and not any(tmp_path.iterdir())
 
 
-def test_more_bad_input_found_by_trying_to_break_it(tmp_path):
+def test_more_bad_input_found_by_trying_to_break_it(ray_session, tmp_path):
     nonutf = tmp_path / "bad.yaml"
     nonutf.write_bytes(b"\xff\xfe\x00garbage")
-    one_error_line(run_cli(["config", "--config", str(nonutf)], timeout=120), "bad.yaml", "UTF-8")
-    one_error_line(run_cli(["train", "--set", "run.output_dir=/etc/hostname"], timeout=120),
-                    "run.output_dir", "not a writable directory")
+    one_error_line(run_main(["config", "--config", str(nonutf)]), "bad.yaml", "UTF-8")
+    one_error_line(run_main(["train", "--set", "run.output_dir=/etc/hostname"]), "run.output_dir",
+                   "not a writable directory")
     numeric = tmp_path / "numbers.jsonl"
     numeric.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(100)))
-    one_error_line(run_cli(["train", "--set", f"data.path={numeric}", "--set", f"run.output_dir={tmp_path / 'o'}"],
-                            timeout=120), "data.text_field", "strings")
+    one_error_line(run_main(["train", "--set", f"data.path={numeric}", "--set", f"run.output_dir={tmp_path / 'o'}"]),
+                   "data.text_field", "strings")
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     import torch
 
     torch.save({"outer_step": 1, "config": {}}, run / "checkpoints" / "step_000001" / "state.pt")
     (run / "tokenizer").mkdir()
-    one_error_line(run_cli(["eval", str(run)], timeout=120), "not a complete", "workers")
-    one_error_line(run_cli(["generate", str(run), "--temperature", "nan"], timeout=120), "--temperature", "nan")
+    one_error_line(run_main(["eval", str(run)]), "not a complete", "workers")
+    one_error_line(run_main(["generate", str(run), "--temperature", "nan"]), "--temperature", "nan")

@@ -5,6 +5,7 @@ checkpoints, and its resume), so a GPU session does not find a broken script."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -16,10 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path):
+def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, ray_address):
+    """Its four ``ray-diloco train`` processes join the session's Ray cluster (``RAY_ADDRESS``), as
+    they would join a GPU machine's running cluster, instead of starting one each."""
     out = tmp_path / "gpu.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=dict(os.environ, RAY_ADDRESS=ray_address))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ddp_resumed"] is True and res["ddp_checkpoints"] >= 2

@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, SHAKESPEARE, run_cli
+from helpers import ROOT, SHAKESPEARE, run_main, wait_for
 
 from ray_diloco.components.prepare import PrepareOptions, prepare_store
 from ray_diloco.components.token_store import TokenStore
@@ -91,46 +90,58 @@ def test_a_datasets_source_is_streamed_through_the_hub_code_path(ray_session, tm
     assert m["tokens"]["train"] + m["tokens"]["val"] == sum(len(f"row {i} " * 20) + 1 for i in range(300))
 
 
-def test_bad_sources_are_one_line_errors(tmp_path):
-    r = run_cli(["prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "s")], timeout=120)
+def test_bad_sources_are_one_line_errors(ray_session, tmp_path):
+    """Through the CLI's main in this process (on the session's cluster if it got that far)."""
+    r = run_main(["prepare", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "s")])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: SOURCE ") and "no such file" in r.stderr
     (tmp_path / "empty.txt").write_text("")
-    r = run_cli(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s")], timeout=120)
+    r = run_main(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s")])
     assert r.returncode == 2 and "every file is empty" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s"), "--val-fraction", "1.5"])
+    r = run_main(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "s"), "--val-fraction", "1.5"])
     assert r.returncode == 2 and "--val-fraction = 1.5: must be in [0, 1)" in r.stderr
     (tmp_path / "a_file").write_text("keep me")  # --out under a file: refused before Ray starts, the file kept
-    r = run_cli(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "a_file" / "store")], timeout=120)
+    r = run_main(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "a_file" / "store")])
     assert r.returncode == 2 and "is a file, not a directory" in r.stderr and "Traceback" not in r.stderr
     assert (tmp_path / "a_file").read_text() == "keep me"
 
 
-def _many_shards_prepare(tmp_path: Path) -> list[str]:
+@pytest.fixture(scope="module")
+def many_shards(ray_session, tmp_path_factory) -> tuple[list[str], Path]:
     """The arguments (without ``--out``) of a prepare of eight 120 kB text files into shards of
-    20,000 tokens: about 50 shards, so it can be stopped part way."""
-    src = tmp_path / "src"
+    20,000 tokens (about 50 shards, so it can be stopped part way), and the store of one
+    uninterrupted run of it (made once, in this process, on the session's cluster)."""
+    root = tmp_path_factory.mktemp("many")
+    src = root / "src"
     src.mkdir()
     text = SHAKESPEARE.read_text()
     for i in range(8):
         (src / f"p{i}.txt").write_text(text[i * 120000 : (i + 1) * 120000])
-    return ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
+    args = ["prepare", str(src), "--tokenizer", "char", "--shard-tokens", "20000", "--val-fraction", "0.05",
             "--actors", "1", "--no-progress"]
+    ref = run_main([*args, "--out", str(root / "ref")])
+    assert ref.returncode == 0, ref.stderr
+    return args, root / "ref"
+
+
+def _same_store(a: Path, b: Path) -> None:
+    ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+    assert ma["shards"] == mb["shards"] and ma["documents"] == mb["documents"]  # as one uninterrupted run
+    assert np.array_equal(TokenStore(str(a)).split("val").to_array(), TokenStore(str(b)).split("val").to_array())
 
 
 @pytest.mark.slow
-def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
-    args = _many_shards_prepare(tmp_path)
-    ref = run_cli([*args, "--out", str(tmp_path / "ref")], timeout=300)
-    assert ref.returncode == 0, ref.stderr
+def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path, many_shards, ray_address):
+    """A prepare process (joined to the session's cluster) killed part way; the rerun (in this
+    process) continues and gives the store of one uninterrupted run."""
+    args, ref = many_shards
     out = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_address}
     p = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args, "--out", str(out)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not (out / "train-00003.bin").exists():  # several shards finished, more to come
-        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
+    wait_for(lambda: p.poll() is not None or (out / "train-00003.bin").exists(), 240,
+             "several finished shards")  # and more to come
+    assert p.poll() is None, p.stderr.read().decode()[-2000:]
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert not (out / "manifest.json").exists() and (out / "prepare-state.npz").exists()
@@ -139,30 +150,28 @@ def test_a_killed_prepare_continues_and_keeps_its_finished_shards(tmp_path):
         state_shards = [e["file"] for e in json.loads(z["state"].tobytes())["shards"]["train"]]
     with pytest.raises(DataError, match="its prepare has not finished: rerun it to continue"):
         TokenStore(str(out))
-    r = run_cli([*args, "--out", str(out)], timeout=300)
+    r = run_main([*args, "--out", str(out)])
     assert r.returncode == 0 and "finished shards kept" in r.stderr, r.stderr
-    a, b = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "ref", out))
-    assert a["shards"] == b["shards"] and a["documents"] == b["documents"]  # the same store as one uninterrupted run
+    _same_store(ref, out)
     # the shards the state recorded before the kill are kept as they are (not rewritten); shards
     # written after the state's last save (one batch can fill several) are redone
     assert state_shards and set(state_shards) <= set(kept)
     assert all((out / n).stat().st_ino == kept[n] for n in state_shards)
-    assert np.array_equal(TokenStore(str(out)).split("val").to_array(), TokenStore(str(tmp_path / "ref")).split("val").to_array())
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_prepare_in_one_line_and_a_rerun_continues(tmp_path):
+def test_a_full_disk_stops_prepare_in_one_line_and_a_rerun_continues(tmp_path, many_shards):
     """A real full disk (a 300 kB tmpfs; needs root to mount, as on CI): the prepare stops with one
     line naming the store and "disk full", writes no manifest and keeps its finished shards; once
     there is room, a rerun continues and gives the store of one uninterrupted run."""
+    args, ref = many_shards
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        args = _many_shards_prepare(tmp_path)
         out = mnt / "store"
-        r = run_cli([*args, "--out", str(out)], timeout=300)
+        r = run_main([*args, "--out", str(out)])
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and str(out) in last and "disk full" in last, last
@@ -171,12 +180,9 @@ def test_a_full_disk_stops_prepare_in_one_line_and_a_rerun_continues(tmp_path):
         assert len(kept) >= 3, kept
         assert not list(out.glob(".tmp-*"))  # the shard being written when the disk filled is not left behind
         assert subprocess.run(["mount", "-o", "remount,size=20m", str(mnt)]).returncode == 0
-        r = run_cli([*args, "--out", str(out)], timeout=300)
+        r = run_main([*args, "--out", str(out)])
         assert r.returncode == 0 and "finished shards kept" in r.stderr, r.stderr
-        ref = run_cli([*args, "--out", str(tmp_path / "ref")], timeout=300)
-        assert ref.returncode == 0, ref.stderr
-        a, b = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "ref", out))
-        assert a["shards"] == b["shards"] and a["documents"] == b["documents"]
+        _same_store(ref, out)
         first = sorted(kept)[0]
         assert (out / first).stat().st_ino == kept[first]  # a finished shard was kept, not rewritten
     finally:

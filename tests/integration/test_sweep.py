@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-from helpers import ROOT, run_cli
+from helpers import ROOT, run_cli, run_main, wait_for
 from wandb_records import run_contents
 
 from ray_diloco.tune.sweep import load_space
@@ -29,10 +28,11 @@ def _space(tmp_path: Path, text: str) -> Path:
     return p
 
 
-def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_state(tmp_path, small_text):
+def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_state(tmp_path, small_text, ray_address):
     """A sweep directory another process holds is refused with one line (two resumes of one
     sweep at once destroyed a trial's run directory). A sweep that stopped before Tune saved its
-    state (only sweep.yaml) resumes by starting over; a failing trial is one line, no traceback."""
+    state (only sweep.yaml) resumes by starting over (on the session's Ray cluster); a failing trial
+    is one line, no traceback."""
     from ray_diloco.components.checkpoint import lock_dir
 
     spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [-1.0]}}\nresources: {cpus_per_worker: 0.4}\n"),
@@ -42,12 +42,12 @@ def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_sta
     (sweep / "sweep.yaml").write_text(yaml.safe_dump(spec.to_dict()))
     held = lock_dir(sweep, "test")
     try:
-        busy = run_cli(["tune", "--resume", str(sweep)], timeout=120)
+        busy = run_main(["tune", "--resume", str(sweep)])
     finally:
         held.close()
     assert busy.returncode == 2 and busy.stderr.strip() == \
         f"error: sweep directory {sweep}: in use by another ray-diloco process (pid {os.getpid()})"
-    again = run_cli(["tune", "--resume", str(sweep)], timeout=300)
+    again = run_cli(["tune", "--resume", str(sweep)], timeout=300, env={"RAY_ADDRESS": ray_address})
     assert again.returncode == 1, again.stderr[-3000:]
     assert "holds no saved Tune state (the sweep stopped before its first trial started): starting it from the beginning" \
         in again.stderr
@@ -58,22 +58,17 @@ def test_resume_is_refused_while_the_sweep_runs_and_starts_over_without_tune_sta
     assert list(rows["status"]) == ["ERROR"]
 
 
-def _wait_for(pred, timeout: float, what: str, poll: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(poll)
-
-
 @pytest.mark.slow
-def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp_path, small_text):
+def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp_path, small_text, ray_address):
     """The shipped CPU space (shrunk model, M=1) with one more, invalid, outer lr: 6 trials with
     ASHA, 3 at a time. Interrupted (SIGINT) once one trial has finished and another is in the
     middle of its run, resumed with --resume while W&B is set online against a server that does not
     answer. Every valid trial ends, the 2 invalid ones fail with their one-line reason without
     stopping the sweep, the results table has 6 rows, the best config is printed and written,
     and each valid trial has offline W&B runs (written directly before the interruption, as the
-    fallback after it) in the sweep's group with its config and every evaluation once."""
+    fallback after it) in the sweep's group with its config and every evaluation once. The first
+    part joins the session's Ray cluster; the resume starts its own, whose workers see the broken
+    W&B settings of its environment."""
     space = yaml.safe_load((ROOT / "tune_spaces" / "cpu_outer_lr.yaml").read_text())
     space["params"]["outer.lr"]["grid"].append(-1.0)
     space["set"]["diloco.replicas"] = 1
@@ -85,7 +80,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
             "--set", "tracking.wandb=true", "--set", "tracking.init_timeout_s=3",
             *[x for s in SMALL for x in ("--set", s)], "--set", f"run.steps={STEPS}"]
     sweep = tmp_path / "sweeps" / "sw"
-    env = dict(os.environ, WANDB_MODE="offline")
+    env = dict(os.environ, WANDB_MODE="offline", RAY_ADDRESS=ray_address)
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", *args], cwd=str(ROOT), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -102,7 +97,7 @@ def test_sweep_with_asha_is_interrupted_resumed_and_logs_each_trial_to_wandb(tmp
             total = STEPS // yaml.safe_load((d / "config.yaml").read_text())["diloco"]["H"]
             return done >= 1 and done not in rungs and done + 2 < total
 
-        _wait_for(lambda: any(sweep.glob("trials/*/summary.json")) and any(map(mid_run, sweep.glob("trials/*"))),
+        wait_for(lambda: any(sweep.glob("trials/*/summary.json")) and any(map(mid_run, sweep.glob("trials/*"))),
                   300, "a finished trial and one in the middle of its run", poll=0.05)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
