@@ -89,7 +89,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     ray.kill(driver)
 
 
-@pytest.mark.parametrize("fmt", ["none", "fp4_e3m0"])
+@pytest.mark.parametrize("fmt", ["fp4_e3m0"])  # fp32 (none): K = 2 against K = 1 in test_elastic's resume
 def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
     """K = 1 and K = 3 drivers get the same pseudo-gradients (K = 3: one object per shard's slice,
     by reference, as a replica's link sends them; fp4 with error feedback on the downlink) for

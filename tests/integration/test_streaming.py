@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import torch
-from helpers import core_diloco_reference, run_cli, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
+from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
 
 from ray_diloco.config import load_config
 from ray_diloco.core.wire import dp_equivalent_bytes
@@ -162,7 +162,7 @@ def test_plan_command_matches_what_a_run_exchanges(ray_session, tmp_path, small_
     cfg = load_config(tiny_overrides(tmp_path), over)
     cfg_file.write_text(cfg.to_yaml())
     out = tmp_path / "plan.json"
-    r = run_cli(["plan", str(cfg_file), "--json", str(out)], timeout=120)
+    r = run_main(["plan", str(cfg_file), "--json", str(out)])
     assert r.returncode == 0, r.stderr
     assert "4 fragment(s)" in r.stdout and "blocks 0" in r.stdout and "next syncs" in r.stdout
     plan = json.loads(out.read_text())
@@ -172,7 +172,7 @@ def test_plan_command_matches_what_a_run_exchanges(ray_session, tmp_path, small_
     assert comm["bytes_down_per_replica"] == plan["bytes_down_per_replica"]
     assert comm["peak_sync_bytes_per_replica"] == plan["peak_sync_bytes"]
     assert summary["fragments"] == plan["fragments"] == 4
-    bad = run_cli(["plan", "--set", "streaming.overlap_steps=40", "--set", "streaming.fragments=2"], timeout=120)
+    bad = run_main(["plan", "--set", "streaming.overlap_steps=40", "--set", "streaming.fragments=2"])
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "streaming.overlap_steps = 40" in bad.stderr
 
 

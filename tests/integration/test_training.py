@@ -189,15 +189,6 @@ def test_ddp_ranks_hold_identical_parameters(ray_session, tmp_path, corpus, micr
         t.shutdown()
 
 
-def test_dp_baseline_trains_with_same_metrics(ray_session, tmp_path, corpus):
-    cfg = load_config(tiny_overrides(tmp_path, algorithm="dp", run__steps=20, run__name="dp"))
-    summary = train(cfg, corpus=corpus, model_fn=torch_lm)
-    assert summary["algorithm"] == "dp" and summary["bytes_sent"] == 0
-    assert summary["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5
-    rows = read_metrics(tmp_path / "runs" / "dp")
-    assert {"train_loss", "inner_lr", "tokens_per_s", "inner_compute_s", "eval_loss"} <= set(rows[-1])
-
-
 def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, corpus):
     import ray
 
@@ -320,20 +311,37 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
     assert prepare(resume=gpt2_dir, overrides=["model.family=gpt2"])[0].model.family == "gpt2"
 
 
-def test_resume_of_a_run_that_died_before_its_first_checkpoint_starts_it_again(ray_session, tmp_path, corpus):
+def test_a_run_that_died_before_its_first_checkpoint_restarts_and_dp_matches_its_metrics(ray_session, tmp_path,
+                                                                                        corpus):
     """A start-up failure leaves config.yaml (and a metrics row or two) but no checkpoint: --resume
     runs it again from step 0 with its config instead of refusing the directory, and the stale
-    metrics rows are dropped."""
-    cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="early", run__seed=3,
-                                     diloco__cpus_per_worker=0.5))
+    metrics rows are dropped. The DP baseline of the same config (``algorithm: dp``) then runs on
+    the same workers, data and schedule: the same metrics per outer step (inner steps, tokens, inner
+    lr, evaluations), no outer exchange, and it trains."""
+    over = dict(run__steps=20, run__seed=3, diloco__cpus_per_worker=0.5)
+    cfg = load_config(tiny_overrides(tmp_path, run__name="early", **over))
     run_dir = tmp_path / "runs" / "early"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     (run_dir / "metrics.jsonl").write_text(json.dumps({"outer_step": 1, "inner_step": 5, "train_loss": 9.9}) + "\n")
     summary = train(None, resume=run_dir, corpus=corpus, model_fn=torch_lm)
-    assert summary["inner_steps"] == 10 and summary["config"]["run"]["seed"] == 3
+    assert summary["inner_steps"] == 20 and summary["config"]["run"]["seed"] == 3
     rows = read_metrics(run_dir)
-    assert [r["outer_step"] for r in rows] == [1, 2] and rows[0]["train_loss"] != 9.9
+    assert [r["outer_step"] for r in rows] == [1, 2, 3, 4] and rows[0]["train_loss"] != 9.9
+
+    dp = train(load_config(tiny_overrides(tmp_path, algorithm="dp", run__name="dp", **over)), corpus=corpus,
+               model_fn=torch_lm)
+    dp_rows = read_metrics(tmp_path / "runs" / "dp")
+    assert dp["algorithm"] == "dp" and dp["bytes_sent"] == 0 < summary["bytes_sent"]
+    assert dp["final_eval_loss"] < np.log(corpus.vocab_size) - 0.5 and summary["tokens"] == dp["tokens"]
+    assert {"train_loss", "inner_lr", "tokens_per_s", "inner_compute_s", "eval_loss"} <= set(dp_rows[-1])
+    for key in ("outer_step", "inner_step", "tokens", "inner_lr"):
+        assert [r[key] for r in dp_rows] == [r[key] for r in rows], key
+    assert [("eval_loss" in r) for r in dp_rows] == [("eval_loss" in r) for r in rows]
+    # the same metrics, less those of the outer exchange and of replica membership that DP has not
+    assert set(rows[-1]) - set(dp_rows[-1]) == {"fragment_syncs", "membership", "outer_update_norm", "pseudo_grad_norm",
+                                                "replicas_live", "replicas_target", "sync_bytes_fragment"}
+    assert set(dp_rows[-1]) <= set(rows[-1]), set(dp_rows[-1]) - set(rows[-1])
 
 
 def test_export_replaces_what_is_at_final_and_leaves_no_temporary(tmp_path):
