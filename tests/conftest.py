@@ -14,6 +14,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the small path's token cache (data.cache_dir): one per test session, not the user's ~/.cache
 os.environ.setdefault("RAY_DILOCO_CACHE", __import__("tempfile").mkdtemp(prefix="ray-diloco-test-cache-"))
 
+def pytest_collection_modifyitems(items):
+    """The unit layer first (seconds, no Ray), then the integration tests: a whole run shows a broken
+    unit at once, and the unit tests run before the session's Ray cluster starts."""
+    items.sort(key=lambda item: 0 if (ROOT / "tests" / "unit") in item.path.parents else 1)
+
+
 @pytest.fixture(scope="session")
 def small_text(tmp_path_factory) -> Path:
     """The first 60k characters of Tiny Shakespeare (real text, quick to tokenise)."""
