@@ -36,8 +36,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, seed: int) -> dict:
     import ray
 
-    from ray_diloco.config import load_config
     from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import load_config
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 

@@ -76,7 +76,7 @@ class GpuMemory:
             self.peak = max(self.peak, int(used * 2**20))
             self._stop.wait(0.5)
 
-    def __enter__(self) -> "GpuMemory":
+    def __enter__(self) -> GpuMemory:
         if self.ok:
             self._t.start()
         return self
@@ -164,8 +164,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, 20 steps: checks the script")
     ap.add_argument("--json", default=None, help="write the figures as JSON to this path")
     a = ap.parse_args()
-    from ray_diloco.config import load_config
     from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import load_config
     from ray_diloco.models.transformer import build_model, count_parameters, resolve_model_shape
 
     H = 5 if a.smoke else 30
@@ -207,7 +207,9 @@ def main() -> int:
                                       steps, H)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    mfu = (lambda tps: tps * fpt / peak if peak else None)
+    def mfu(tps: float) -> float | None:
+        return tps * fpt / peak if peak else None
+
     res = {
         "device": torch.cuda.get_device_name(0) if gpu else "cpu", "preset": cfg.model.preset, "parameters": n,
         "seq_len": seq, "global_batch": batch, "micro_batch": micro, "steps": steps, "H": H,

@@ -25,9 +25,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 def plain_loop(cfg, corpus, steps: int, warmup: int) -> float:
     """nanoGPT-style loop: random windows, AdamW, clipping, same lr schedule; returns tokens/s."""
-    from ray_diloco.models.transformer import lm_loss, logits_of
-    from ray_diloco.models.transformer import build_model, make_inner_optimizer
     from ray_diloco.core.schedules import inner_lr
+    from ray_diloco.models.transformer import build_model, lm_loss, logits_of, make_inner_optimizer
 
     torch.set_num_threads(1)
     model = build_model(cfg, corpus.vocab_size)
@@ -74,8 +73,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=600, help="inner steps of each run")
     ap.add_argument("--json", default=None, help="write the figures as JSON to this path")
     a = ap.parse_args()
-    from ray_diloco.config import load_config
     from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import load_config
 
     cfg = load_config(None, ["diloco.replicas=1"])
     corpus = load_corpus(cfg.data)

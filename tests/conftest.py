@@ -30,8 +30,8 @@ def small_text(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def corpus(small_text):
-    from ray_diloco.config import DataConfig
     from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import DataConfig
 
     return load_corpus(DataConfig(path=str(small_text), seq_len=16))
 

@@ -139,12 +139,9 @@ def core_diloco_reference(cfg_dict, train_tokens, vocab_size, rounds):
     import hashlib
 
     from ray_diloco.components.data import ShardReader
-    from ray_diloco.models.transformer import lm_loss, logits_of
-    from ray_diloco.models.transformer import build_model, make_inner_optimizer
-    from ray_diloco.core.schedules import inner_lr
-
     from ray_diloco.config import load_config
-    from ray_diloco.core.schedules import outer_step_bounds
+    from ray_diloco.core.schedules import inner_lr, outer_step_bounds
+    from ray_diloco.models.transformer import build_model, lm_loss, logits_of, make_inner_optimizer
 
     torch.set_num_threads(1)
     cfg = load_config(cfg_dict, validate=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import alive, pids_with, read_metrics, ROOT, tiny_overrides
+from helpers import ROOT, alive, pids_with, read_metrics, tiny_overrides
 
 CLUSTERS = ROOT / "clusters"
 LAUNCHER = [CLUSTERS / "aws.yaml", CLUSTERS / "gcp.yaml"]

@@ -140,7 +140,7 @@ def test_ci_runs_the_readme_test_command():
     assert not missing, f"README's test command does steps .ci/run does not: {missing}"
     installs = [s for s in ci_steps if s.startswith("pip install")]
     assert [s for s in readme_steps if s.startswith("pip install")] == installs, "README installs differently from CI"
-    gate = ["ruff check ray_diloco", "ruff format --check ray_diloco", "mypy"]  # the lint and type gate, before pytest
+    gate = ["ruff check ray_diloco tests benchmarks", "ruff format --check ray_diloco", "mypy"]  # the lint and type gate, before pytest
     assert readme_steps[-1 - len(gate):-1] == gate == ci_steps[-1 - len(gate):-1]
     assert _steps(train_cmd)[:-1] == [s.replace('".[test]"', ".") for s in readme_steps[: -1 - len(gate)]]
     assert "torch==" in train_cmd

@@ -17,10 +17,10 @@ import torch
 from helpers import alive, descendants, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
 
 from ray_diloco.config import load_config
-from ray_diloco.errors import ClusterError
+from ray_diloco.core.fragments import tensor_hash
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import Packed, quantize_message, to_message
-from ray_diloco.core.fragments import tensor_hash
+from ray_diloco.errors import ClusterError
 
 N = 257
 
@@ -199,9 +199,8 @@ def test_a_replica_killed_mid_round_does_not_report_that_round(ray_session, tmp_
 
 
 def _object_store_bytes() -> int:
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
     import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
     state = get_state_from_address(ray.get_runtime_context().gcs_address)  # this session's cluster
     return int(get_memory_info_reply(state).store_stats.object_store_bytes_used)

@@ -5,8 +5,8 @@ checkpoints, and its resume), so a GPU session does not find a broken script."""
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path

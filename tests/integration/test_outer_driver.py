@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import downlink_encode, outer_step
 
 from ray_diloco.config import load_config
@@ -38,9 +37,9 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     fp4 the driver starts without global parameters and gets them later, as the trainer does it
     (its process starts while the replicas start); they can be given only once."""
     from ray_diloco.config import load_config
-    from ray_diloco.runtime.driver import OuterDriverActor
-    from ray_diloco.core.wire import Downlink, apply_downlink, message_values
     from ray_diloco.core.quantize import quantize_message
+    from ray_diloco.core.wire import Downlink, apply_downlink, message_values
+    from ray_diloco.runtime.driver import OuterDriverActor
     from ray_diloco.runtime.link import resolve_reply
 
     ray = ray_session

@@ -10,9 +10,9 @@ import shutil
 import pytest
 from helpers import read_metrics, tiny_overrides
 
+from ray_diloco.components.storage import download_run, filesystem
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
-from ray_diloco.components.storage import download_run, filesystem
 from ray_diloco.runtime.launcher import train
 
 

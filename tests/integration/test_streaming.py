@@ -10,9 +10,9 @@ import torch
 from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
 
 from ray_diloco.config import load_config
-from ray_diloco.core.wire import dp_equivalent_bytes
 from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.schedules import outer_step_bounds
+from ray_diloco.core.wire import dp_equivalent_bytes
 
 # ---------------------------------------------------------------------------------------
 # numerics on a real local Ray

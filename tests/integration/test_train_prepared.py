@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import read_metrics, SHAKESPEARE, tiny_overrides, torch_lm
+from helpers import SHAKESPEARE, read_metrics, tiny_overrides, torch_lm
 
 from ray_diloco.components.data import char_tokenizer
 from ray_diloco.components.token_store import TokenStore, write_store
 from ray_diloco.errors import CheckpointError, ConfigError, DataError
 from ray_diloco.runtime.launcher import train
-
 
 
 def _store(where: str, start: int = 0, n: int = 40000) -> TokenStore:

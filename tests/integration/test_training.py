@@ -13,16 +13,15 @@ import pytest
 import torch
 from helpers import odd_model_fn, read_metrics, start_trainer, tiny_overrides, torch_lm
 
-from ray_diloco.config import load_config
-from ray_diloco.components.data import ShardReader, val_windows
-from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
-from ray_diloco.models.transformer import lm_loss, logits_of
-from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.components.checkpoint import load_checkpoint
+from ray_diloco.components.data import ShardReader, val_windows
 from ray_diloco.components.evaluate import evaluate_loss
-from ray_diloco.runtime.evaluation import evaluate_on_cluster, evaluate_run_on_cluster
-from ray_diloco.models.transformer import build_model, make_inner_optimizer
+from ray_diloco.config import load_config
+from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
+from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.schedules import inner_lr
+from ray_diloco.models.transformer import build_model, lm_loss, logits_of, make_inner_optimizer
+from ray_diloco.runtime.evaluation import evaluate_on_cluster, evaluate_run_on_cluster
 from ray_diloco.runtime.launcher import train
 
 
@@ -205,8 +204,8 @@ def test_bf16_autocast_trains_and_keeps_fp32_outer_state(ray_session, tmp_path, 
 
 
 def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp_path, corpus):
-    from ray_diloco.errors import CheckpointError, DataError
     from ray_diloco.components.evaluate import evaluate_run, generate
+    from ray_diloco.errors import CheckpointError, DataError
 
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="odd"))
     summary = train(cfg, model_fn=odd_model_fn, corpus=corpus)
@@ -222,8 +221,8 @@ def test_custom_model_and_corpus_run_evaluates_from_python_only(ray_session, tmp
 
 
 def test_resume_refuses_structural_changes(tmp_path):
-    from ray_diloco.errors import CheckpointError, ConfigError
     from ray_diloco.components.export import model_with_params
+    from ray_diloco.errors import CheckpointError, ConfigError
     from ray_diloco.runtime.launcher import _check_resumable
 
     saved = load_config(tiny_overrides(tmp_path))
@@ -269,8 +268,8 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
     samples and resumes as the model it trained: `tiny` was then a llama of FFN 352. Resume
     compares resolved shapes, so restating the trained family is allowed and another is refused
     with one line, the run directory untouched. Fewer steps than already trained are refused."""
-    from ray_diloco.errors import ConfigError
     from ray_diloco.components.evaluate import model_from_checkpoint
+    from ray_diloco.errors import ConfigError
     from ray_diloco.models.transformer import build_transformers_model, pin_model_fields, resolve_model_shape
     from ray_diloco.runtime.launcher import prepare
 

@@ -3,21 +3,35 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import json
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 import pytest
 from helpers import ROOT, run_main
 
+from ray_diloco.analysis.laws import (
+    FORMS,
+    PAPER_FORM_RESIDUALS,
+    PAPER_INDEPENDENT,
+    PAPER_JOINT,
+    PAPER_SIZES,
+    FormFit,
+    fit_all,
+    fit_form,
+    fit_joint,
+    fit_power_law,
+    format_prediction,
+    load_table,
+    optimal_batch,
+    paper_fits,
+    paper_table,
+    predict,
+)
 from ray_diloco.errors import DataError
-from ray_diloco.analysis.laws import (FORMS, PAPER_FORM_RESIDUALS, PAPER_INDEPENDENT, PAPER_JOINT, PAPER_SIZES, FormFit,
-                             fit_all, fit_form, fit_joint, fit_power_law, format_prediction, load_table, optimal_batch,
-                             paper_fits, paper_table, predict)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "cpu_sweep_results.csv"
 

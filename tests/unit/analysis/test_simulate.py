@@ -9,9 +9,19 @@ import numpy as np
 import pytest
 from helpers import run_main
 
+from ray_diloco.analysis.simulate import (
+    BANDWIDTH_GRID_GBPS,
+    PAPER_TABLE4,
+    Method,
+    ModelSpec,
+    Network,
+    compute_utilisation,
+    paper_rows,
+    required_bandwidth,
+    step_time_s,
+    wall_clock,
+)
 from ray_diloco.errors import ConfigError
-from ray_diloco.analysis.simulate import (BANDWIDTH_GRID_GBPS, PAPER_TABLE4, Method, ModelSpec, Network, compute_utilisation,
-                                 paper_rows, required_bandwidth, step_time_s, wall_clock)
 
 
 def test_the_grid_is_the_papers():
@@ -108,8 +118,8 @@ def test_plan_wall_clock_uses_the_runs_method_and_wire_size():
     """`ray-diloco plan --chips`: the step time is 6 N x (global batch x seq len) FLOPs over M
     replicas of C chips; the method and bits per value are the run's (fp32 pseudo-gradients by
     default, int8 with scales under streaming quantisation); the time is compute / utilisation."""
-    from ray_diloco.config import load_config
     from ray_diloco.analysis.plan import sync_plan, wall_clock_plan
+    from ray_diloco.config import load_config
 
     cfg = load_config(None, ["run.steps=100", "diloco.H=10"])
     p = sync_plan(cfg)

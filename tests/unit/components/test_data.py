@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ray_diloco.config import DataConfig
 from ray_diloco.components.data import ShardReader, load_corpus, num_train_windows, val_windows
+from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 
 

@@ -47,7 +47,7 @@ def test_flatten_unflatten_round_trip_is_exact():
 
 def test_pseudo_gradient_is_bitwise_global_minus_the_flattened_local():
     """Computed parameter by parameter into one buffer: bitwise ``global - flatten(local)``."""
-    from ray_diloco.core.fragments import ParamSpec, Fragment, flatten, pseudo_gradient
+    from ray_diloco.core.fragments import Fragment, ParamSpec, flatten, pseudo_gradient
 
     params = {"a": torch.randn(3, 4), "b": torch.randn(7), "c": torch.randn(2, 2, 2)}
     frag = Fragment(0, tuple(ParamSpec(k, tuple(v.shape)) for k, v in params.items()))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import average_pseudo_gradients, downlink_encode, encode_downlink, outer_step
 
 from ray_diloco.config import OuterConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import outer_step
 
 from ray_diloco.config import OuterConfig
@@ -64,8 +63,14 @@ def test_fsdp_rank_parts_are_fully_shards_layout_and_join_back():
     """Rank parts cut every parameter's first dimension as FSDP2's Shard(0) does (ceil(rows/W) per
     rank, trailing ranks short or empty); joining the W parts gives the fragment back exactly."""
     from ray_diloco.core.fragments import Fragment, ParamSpec
-    from ray_diloco.core.shards import (exchange_index, join_rank_parts, rank_fragment, rank_rows, read_fragment_range,
-                                        split_rank_part)
+    from ray_diloco.core.shards import (
+        exchange_index,
+        join_rank_parts,
+        rank_fragment,
+        rank_rows,
+        read_fragment_range,
+        split_rank_part,
+    )
 
     assert [rank_rows(5, 3, r) for r in range(3)] == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert [rank_rows(2, 3, r) for r in range(3)] == [slice(0, 1), slice(1, 2), slice(2, 2)]
@@ -79,8 +84,8 @@ def test_fsdp_rank_parts_are_fully_shards_layout_and_join_back():
         reads = []
 
         def part(rank, a, b):
-            reads.append(b - a)
-            return parts[rank][a:b].numpy()
+            reads.append(b - a)  # noqa: B023 - called in this iteration only
+            return parts[rank][a:b].numpy()  # noqa: B023
 
         for lo, hi in [(0, 15), (15, 17), (17, frag.numel), (3, 40), (0, frag.numel), (9, 9)]:
             reads.clear()

@@ -6,14 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from helpers import downlink_encode, outer_step
 
 from ray_diloco.config import load_config, num_fragments
 from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import (FORMATS, decode, from_message, message_nbytes, quantize_message,
-                                      quantize_with_feedback, to_message)
+from ray_diloco.core.quantize import (
+    FORMATS,
+    decode,
+    from_message,
+    message_nbytes,
+    quantize_message,
+    quantize_with_feedback,
+    to_message,
+)
 from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
 from ray_diloco.core.wire import Downlink, apply_downlink, dp_equivalent_bytes
 from ray_diloco.errors import ConfigError

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from helpers import downlink_encode, outer_step
 
 from ray_diloco.config import OuterConfig

@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import encode_downlink
 
 from ray_diloco.config import QUANTIZATION_FORMATS
-from ray_diloco.core.wire import (OK, Reply, apply_downlink, communication_summary, decode_reply,
-                                  dp_equivalent_bytes, link_delay_s)
+from ray_diloco.core.wire import (
+    OK,
+    Reply,
+    apply_downlink,
+    communication_summary,
+    decode_reply,
+    dp_equivalent_bytes,
+    link_delay_s,
+)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZATION_FORMATS)

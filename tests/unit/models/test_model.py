@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from ray_diloco.config import ModelConfig
-from ray_diloco.models.transformer import PRESETS, build_transformers_model, count_parameters, lm_loss, resolve_model_shape
+from ray_diloco.models.transformer import (
+    PRESETS,
+    build_transformers_model,
+    count_parameters,
+    lm_loss,
+    resolve_model_shape,
+)
 
 
 def test_tiny_preset_is_the_baby_gpt_shape():
@@ -33,8 +39,8 @@ def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(fam
     streaming fragments find each family's blocks."""
     from transformers import AutoModelForCausalLM
 
-    from ray_diloco.config import load_config
     from ray_diloco.components.export import write_pretrained
+    from ray_diloco.config import load_config
     from ray_diloco.core.fragments import block_index, flatten, param_specs, plan_fragments
 
     cfg = load_config({"model": {"family": family, "n_layers": 3, "n_heads": 2, "d_model": 32, "d_ff": 64,

@@ -86,8 +86,8 @@ def test_bad_name_space_path_and_saved_sweep_are_one_line(tmp_path):
 def test_a_moved_sweep_resumes_where_it_is_now(tmp_path):
     """--resume DIR locates the sweep by DIR, not by the storage path saved when it started
     (a copied or moved sweep directory does not write back into the old place)."""
-    from ray_diloco.tune.space import load_spec
     from ray_diloco.components.storage import join_uri, split_uri
+    from ray_diloco.tune.space import load_spec
 
     spec = load_space(_space(tmp_path, "params: {outer.lr: {grid: [0.4]}}\n"), name="first",
                       storage_path=str(tmp_path / "old"))
