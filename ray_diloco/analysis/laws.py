@@ -21,6 +21,7 @@ rows (``dp`` is accepted).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -133,14 +134,19 @@ def paper_table() -> Any:
 PAPER_FITS_FILE = Path(__file__).parents[1] / "data" / "paper_fits.json"  # paper_fits(cached=False), saved
 
 
-@functools.lru_cache(maxsize=4)
 def paper_fits(starts: int = 8, cached: bool = True) -> dict[str, Any]:
     """Fits in the format of :func:`fit_all` for ``ray-diloco predict --fits paper``: the loss laws
     and parametric forms fitted here on the published losses, the inner-lr and batch laws as
     published (batch in 2048-token sequences). No outer lr (the paper gives no per-(M, H) table).
 
     ``cached`` reads them from :data:`PAPER_FITS_FILE` (shipped; a test checks it equals a fresh
-    fit), which saves the seconds of the 4 x 8 form fits."""
+    fit), which saves the seconds of the 4 x 8 form fits. Each call returns its own copy: a caller
+    may change it without changing what the next call returns."""
+    return copy.deepcopy(_paper_fits(starts, cached))
+
+
+@functools.lru_cache(maxsize=4)
+def _paper_fits(starts: int, cached: bool) -> dict[str, Any]:
     if cached and PAPER_FITS_FILE.is_file():
         import json
 

@@ -411,3 +411,14 @@ def test_fit_and_predict_of_a_table_use_the_same_number_of_starts(tmp_path, monk
     assert said in fit.stderr and said in pred.stderr, (fit.stderr, pred.stderr)
     best = json.loads((tmp_path / "fit" / "fits.json").read_text())["best_form"]
     assert best and f"form {best}" in pred.stdout, (best, pred.stdout)
+
+
+def test_paper_fits_are_a_new_copy_each_call():
+    """A caller that edits the published fits (as the hand-edited-fits test does) does not change
+    what the next `predict --fits paper` reads (the cached dict was shared, found when the CLI
+    tests moved in process)."""
+    fits = paper_fits()
+    fits["forms"][fits["best_form"]]["theta"] = [1.0]
+    again = paper_fits()
+    assert len(again["forms"][again["best_form"]]["theta"]) == 4
+    assert predict(again, 4e9, 2)["eval_loss"] > 0
