@@ -217,6 +217,12 @@ class DiLoCoConfig:
     spare_replicas: int = 0
     """Hot spares: replicas started and set up in advance, outside the quorum, admitted at the next
     outer step when a replica dies (they need room: set ``diloco.cpus_per_worker``)."""
+    driver_resource: str = ""
+    """Where the outer-optimiser driver runs. Empty: on the node of the job's process (the head under
+    ``ray job submit``), pinned there (node affinity), never on a replica's node by the scheduler's
+    choice, so a replica node's loss does not take the outer state with it. A name: on a node that
+    offers this custom Ray resource (``ray start --resources='{"NAME": 1}'``), e.g. a small CPU node
+    of its own; the driver takes 0.001 of it."""
     outer_shards: int = 1
     """K, outer-optimiser shards: every fragment's flat parameters split into K contiguous slices
     (``core.shards.shard_bounds``), each owned by one shard actor with its own outer-optimiser state,

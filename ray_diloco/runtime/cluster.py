@@ -177,9 +177,32 @@ def check_resources(cfg: Config) -> float:
         request_resources(bundles=[])
 
 
+DRIVER_RESOURCE_SHARE = 0.001  # of diloco.driver_resource: any number of runs can share that node
+
+
+def driver_placement(cfg: Config) -> dict[str, Any]:
+    """Ray actor options that place the outer-optimiser driver (``diloco.driver_resource``): on a
+    node offering that custom resource, or else pinned to the node of this process (the job's),
+    so it never lands on a replica's node by the scheduler's choice (arXiv 2311.08105's replicas
+    come and go; the outer state stays with the job)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if cfg.diloco.driver_resource:
+        return {"resources": {cfg.diloco.driver_resource: DRIVER_RESOURCE_SHARE}}
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
 def _check_resources(cfg: Config, res: dict[str, float]) -> float:
     """:func:`check_resources` against the cluster's resources ``res`` now."""
     d = cfg.diloco
+    if d.driver_resource and res.get(d.driver_resource, 0) < DRIVER_RESOURCE_SHARE:
+        raise ClusterError(
+            f"diloco.driver_resource = {d.driver_resource!r}: no node of the Ray cluster offers this resource "
+            f"(start the driver's node with ray start --resources='{{\"{d.driver_resource}\": 1}}', or leave it "
+            "empty to run the driver on the job's node)"
+        )
     n = d.replicas * d.workers_per_replica
     have_cpu = res.get("CPU", 0)
     product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"

@@ -187,11 +187,11 @@ class DiLoCoSync(SyncStrategy):
         return problems
 
     def launch(self, members: list[tuple[int, int, int]] | None) -> None:
-        from ray_diloco.runtime.cluster import initial_members
+        from ray_diloco.runtime.cluster import driver_placement, initial_members
         from ray_diloco.runtime.driver import OuterDriverActor
 
         joins = {m: j for m, _, j in initial_members(self.cfg, members)}
-        self.driver = OuterDriverActor.remote(None, self.cfg.to_dict(), joins)
+        self.driver = OuterDriverActor.options(**driver_placement(self.cfg)).remote(None, self.cfg.to_dict(), joins)
 
     def attach(self, trainer: Any, resume_state: dict[str, Any] | None) -> None:
         """The global parameters start as rank 0's initialisation (identical in every worker),
