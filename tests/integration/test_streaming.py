@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import torch
-from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, two_blocks_fn
+from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, tree, two_blocks_fn
 
 from ray_diloco.config import load_config
 from ray_diloco.core.quantize import message_nbytes
@@ -190,10 +190,9 @@ def test_a_finished_streaming_run_can_be_extended(ray_session, tmp_path, corpus)
     assert first["inner_steps"] == 16
     from pathlib import Path
 
-    tree = lambda: sorted((str(p), p.stat().st_mtime_ns) for p in Path(first["run_dir"]).rglob("*"))  # noqa: E731
-    before = tree()
+    before = tree(first["run_dir"])
     again = ray_diloco.train(resume=first["run_dir"], corpus=corpus, model_fn=torch_lm)  # finished: nothing to do
-    assert again == json.loads((Path(first["run_dir"]) / "summary.json").read_text()) and tree() == before
+    assert again == json.loads((Path(first["run_dir"]) / "summary.json").read_text()) and tree(first["run_dir"]) == before
     # fragment 1 (phase 4) last sent at 12 and merged at 13 < T, so it closed with a send at 16; its
     # next regular send is at 20 in the extended schedule
     more = ray_diloco.train(resume=first["run_dir"], overrides=["run.steps=32"], corpus=corpus, model_fn=torch_lm)

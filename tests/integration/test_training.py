@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import odd_model_fn, read_metrics, start_trainer, tiny_overrides, torch_lm
+from helpers import odd_model_fn, read_metrics, start_trainer, tiny_overrides, torch_lm, tree
 
 from ray_diloco.components.checkpoint import load_checkpoint
 from ray_diloco.components.data import ShardReader, val_windows
@@ -258,10 +258,6 @@ def _fake_run(tmp_path, name: str, cfg_dict: dict, inner_step: int, params: list
     return run_dir
 
 
-def _tree(run_dir):
-    return sorted((str(p.relative_to(run_dir)), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
-
-
 def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_path):
     """A run's config pins every shape field (config.yaml and checkpoints name the model trained,
     not a preset whose meaning may change). A run recorded before that (fields None) evaluates,
@@ -284,7 +280,7 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
     frag = plan_fragments(param_specs(llama), 1)
     params = [flatten(dict(llama.named_parameters()), f).detach().numpy() for f in frag]
     run_dir = _fake_run(tmp_path, "old", old, inner_step=20, params=params)
-    before = _tree(run_dir)
+    before = tree(run_dir)
 
     model = model_from_checkpoint({"config": old, "outer": {"global": params}}, 65)  # eval and generate load this
     x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -302,7 +298,7 @@ def test_a_run_records_its_model_shape_and_runs_recorded_before_keep_theirs(tmp_
         prepare(resume=run_dir, overrides=["run.steps=15"])
     assert e.value.problems == ["run.steps = 15: the checkpoint has already trained 20 inner steps; give at least 20 "
                                 "(more extends the run)"]
-    assert _tree(run_dir) == before
+    assert tree(run_dir) == before
 
     pinned = load_config({"run": {"steps": 40, "output_dir": str(tmp_path / "runs")}})
     pin_model_fields(pinned.model)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import tiny_overrides
+from helpers import tiny_overrides, tree
 
 
 def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp_path):
@@ -22,9 +22,9 @@ def test_extending_a_run_that_ends_part_way_through_an_outer_step_is_refused(tmp
     state = {"format": 1, "outer_step": 2, "config": cfg.to_dict(), "counters": {"inner_step": 14},
              "outer": None, "workers": {}, "corpus_fingerprint": ""}
     save_checkpoint(run_dir, 2, state, keep=1)
-    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    before = tree(run_dir)
     with pytest.raises(ConfigError, match=r"run.steps = 30: the checkpoint ends at inner step 14, part way through "
                                           r"an outer step of diloco.H = 8 .* cannot be extended"):
         prepare(resume=run_dir, overrides=["run.steps=30"])
-    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+    assert tree(run_dir) == before
     assert prepare(resume=run_dir)[2]["counters"]["inner_step"] == 14
