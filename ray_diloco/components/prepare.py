@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.components.address import check_reachable
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
 
@@ -443,7 +444,9 @@ def _init_ray(address: str | None) -> bool:
         return False
     # RAY_ADDRESS (set under `ray job submit`) joins that cluster, as ray.init does by itself: the
     # object store is then the cluster's, so no size may be given
+    field = "RAY_ADDRESS" if not address and os.environ.get("RAY_ADDRESS") else "--address"
     address = address or os.environ.get("RAY_ADDRESS") or None
+    check_reachable(address, field)
     try:
         ray.init(
             address=address,
@@ -455,7 +458,7 @@ def _init_ray(address: str | None) -> bool:
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
         raise ClusterError(
-            f"--address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            f"{field} = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
         ) from None
     return True
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ray_diloco.components.address import check_reachable
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError
 
@@ -64,22 +64,6 @@ def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _check_reachable(address: str | None, timeout_s: float = 10.0) -> None:
-    """Fail fast on a ``host:port`` GCS address nothing listens on (``ray.init`` would retry forever)."""
-    if not address or address == "auto" or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ClusterError(f"run.address = {address!r}: expected 'auto', HOST:PORT or ray://HOST:PORT")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ClusterError(
-            f"run.address = {address!r}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
-            "start one with `ray start --head` or use --address auto"
-        ) from None
-
-
 def init_ray(cfg: Config) -> bool:
     """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it.
 
@@ -91,7 +75,7 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
-    _check_reachable(address)
+    check_reachable(address, "run.address")
     try:
         ray.init(
             address=address,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, SHAKESPEARE, one_error_line, run_main, wait_for
+from helpers import ROOT, SHAKESPEARE, one_error_line, run_cli, run_main, wait_for
 
 from ray_diloco.components.prepare import PrepareOptions, prepare_store
 from ray_diloco.components.token_store import TokenStore
@@ -104,6 +104,12 @@ def test_bad_sources_are_one_line_errors(ray_session, tmp_path):
     one_error_line(run_main(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "a_file" / "store")]),
                    "is a file, not a directory")
     assert (tmp_path / "a_file").read_text() == "keep me"
+    # RAY_ADDRESS (joined as under ray job submit) where nothing answers: one line at once, out of
+    # process (this one has joined the session's cluster already)
+    r = run_cli(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "s")], timeout=60,
+                env={"RAY_ADDRESS": "127.0.0.1:1"})
+    one_error_line(r, "RAY_ADDRESS = '127.0.0.1:1': no Ray cluster answers there")
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.fixture(scope="module")
