@@ -16,7 +16,9 @@ os.environ.setdefault("RAY_DILOCO_CACHE", __import__("tempfile").mkdtemp(prefix=
 
 def pytest_collection_modifyitems(items):
     """The unit layer first (seconds, no Ray), then the integration tests: a whole run shows a broken
-    unit at once, and the unit tests run before the session's Ray cluster starts."""
+    unit at once, and the unit tests run before the session's Ray cluster starts. (``--ff`` puts
+    failed tests first afterwards: unit tests after an integration one then fail with a line
+    saying so; run ``tests/unit`` on its own.)"""
     items.sort(key=lambda item: 0 if (ROOT / "tests" / "unit") in item.path.parents else 1)
 
 

@@ -69,6 +69,10 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _one_of(e, "algorithm", cfg.algorithm, ALGORITHMS)
 
 
+#: Ray's own resources: an actor asks for them with num_cpus/num_gpus/memory, never by name
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
 def _check_diloco(cfg: Config, e: list[str]) -> None:
     d = cfg.diloco
     _need(e, d.H >= 1, "diloco.H", d.H, "must be an integer >= 1")
@@ -108,6 +112,7 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
         "must be an integer in [1, 64] (outer-optimiser shard actors)",
     )
     _need(e, d.max_failures >= 0, "diloco.max_failures", d.max_failures, "must be an integer >= 0")
+    _need(e, d.driver_resource not in RAY_BUILTIN_RESOURCES and d.driver_resource.strip() == d.driver_resource, "diloco.driver_resource", d.driver_resource, "must be a custom Ray resource name (not CPU, GPU, memory or object_store_memory, no surrounding spaces), or empty")  # fmt: skip
     _need(
         e,
         0 <= d.spare_replicas <= cfg.num_slots,

@@ -123,6 +123,7 @@ def check_resources(cfg: Config) -> float:
     import ray
 
     d = cfg.diloco
+    _check_driver_resource(cfg, ray.cluster_resources())
     if HOST_PLACEMENT_GROUP is not None:  # a Tune trial: its bundles were sized from this config
         assert d.cpus_per_worker is not None  # set by the trial's config (tune.space)
         return d.cpus_per_worker
@@ -172,21 +173,26 @@ def driver_placement(cfg: Config) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if cfg.diloco.driver_resource:
-        return {"resources": {cfg.diloco.driver_resource: DRIVER_RESOURCE_SHARE}}
+    if cfg.diloco.driver_resource:  # outside a Tune trial's placement group, whose bundles hold only CPUs
+        return {"resources": {cfg.diloco.driver_resource: DRIVER_RESOURCE_SHARE}, "scheduling_strategy": "DEFAULT"}
     node = ray.get_runtime_context().get_node_id()
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
+def _check_driver_resource(cfg: Config, res: dict[str, float]) -> None:
+    """``diloco.driver_resource`` must be offered by some node."""
+    d = cfg.diloco
+    if d.driver_resource and res.get(d.driver_resource, 0) < DRIVER_RESOURCE_SHARE:
+        raise ClusterError(
+            f"diloco.driver_resource = {d.driver_resource!r}: no node of the Ray cluster offers this resource "
+            "(start the driver's node with ray start --resources='{\"NAME\": 1}', or leave it "
+            "empty to run the driver on the job's node)"
+        )
 
 
 def _check_resources(cfg: Config, res: dict[str, float]) -> float:
     """:func:`check_resources` against the cluster's resources ``res`` now."""
     d = cfg.diloco
-    if d.driver_resource and res.get(d.driver_resource, 0) < DRIVER_RESOURCE_SHARE:
-        raise ClusterError(
-            f"diloco.driver_resource = {d.driver_resource!r}: no node of the Ray cluster offers this resource "
-            f"(start the driver's node with ray start --resources='{{\"{d.driver_resource}\": 1}}', or leave it "
-            "empty to run the driver on the job's node)"
-        )
     n = d.replicas * d.workers_per_replica
     have_cpu = res.get("CPU", 0)
     product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"

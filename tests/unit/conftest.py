@@ -7,8 +7,9 @@ import pytest
 
 
 def _refuse(*args, **kwargs):
-    raise AssertionError("a unit test started Ray (ray.init): unit tests run without a Ray cluster; "
-                         "move the test to tests/integration")
+    # pytest.fail raises a BaseException: the CLI's `except Exception` cannot turn it into an error line
+    pytest.fail("a unit test started Ray (ray.init): unit tests run without a Ray cluster; "
+                "move the test to tests/integration")
 
 
 @pytest.fixture(autouse=True)
@@ -17,9 +18,14 @@ def _no_ray(monkeypatch):
     ``ray.remote`` calls start a cluster through it)."""
     import ray
 
+    if ray.is_initialized():
+        pytest.fail("Ray is already running in this process: an integration test ran before the unit layer "
+                    "(run tests/unit on its own)")
     monkeypatch.setattr(ray, "init", _refuse)
     yield
-    assert not ray.is_initialized(), "a unit test left a Ray cluster running"
+    if ray.is_initialized():
+        ray.shutdown()  # so the next unit test does not fail for this one
+        pytest.fail("a unit test left a Ray cluster running")
 
 
 @pytest.fixture

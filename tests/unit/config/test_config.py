@@ -63,6 +63,8 @@ def test_yaml_file_then_overrides(tmp_path):
     ("data.path=/tmp", "data.path"),
     ("diloco.spare_replicas=1000000000", "diloco.spare_replicas"),
     ("diloco.min_replicas=3", "diloco.min_replicas"),
+    ("diloco.driver_resource=CPU", "diloco.driver_resource"),  # Ray's own: an actor cannot ask for it by name
+    ("diloco.driver_resource=object_store_memory", "diloco.driver_resource"),
 ])
 def test_invalid_field_gives_one_line_naming_it(override, field):
     with pytest.raises(ConfigError) as e:
