@@ -385,3 +385,11 @@ def downlink_encode(downlink, opt, fragment: int, before: torch.Tensor) -> bytes
         downlink.residuals[fragment] = residual
     opt.set_global(fragment, applied)
     return message
+
+
+def pseudo_gradients(seed: int, n: int, m: int) -> list:
+    """``m`` random fp32 pseudo-gradients ``[n]`` (seeded), as replicas would send them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(m)]

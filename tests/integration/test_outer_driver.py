@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import downlink_encode, outer_step
+from helpers import downlink_encode, outer_step, pseudo_gradients
 
 from ray_diloco.config import load_config
 from ray_diloco.core.outer import OuterOptimizer
@@ -18,11 +18,6 @@ from ray_diloco.core.sync import SyncBuffers
 from ray_diloco.runtime.link import Link
 
 SIZES = [1001, 70_000]
-
-
-def _deltas(seed, n, m):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(n).astype(np.float32) for _ in range(m)]
 
 
 def _split(message_fn, delta, k):
@@ -55,7 +50,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False, 1)
     held = torch.tensor(theta0)  # what a replica holds
     for k in (1, 2, 3):
-        ds = _deltas(10 + k, 1001, 2)
+        ds = pseudo_gradients(10 + k, 1001, 2)
         msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
         first = driver.exchange.remote(0, k, 0, 1.0, msgs[0], k - 1)
         ready, _ = ray.wait([first], timeout=0.5)

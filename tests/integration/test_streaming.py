@@ -29,43 +29,43 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus):
     import ray
 
     tau = 1
-    for alpha, closing in [(0.5, "average")]:
-        cfg = load_config(tiny_overrides(
-            tmp_path, diloco__H=6, run__steps=18, run__trace_syncs=True, run__eval_every=0, run__checkpoint_every=0,
-            streaming__fragments=2, streaming__overlap_steps=tau, streaming__alpha=alpha,
-            streaming__closing_round=closing, outer__name="sgd", outer__lr=2.0, outer__momentum=0.0,
-            inner__lr=2.0 ** -6, inner__beta1=0.0, inner__beta2=0.0, inner__eps=2.0 ** -30, inner__weight_decay=0.0,
-            inner__warmup_steps=0, inner__min_lr_ratio=1.0, inner__grad_clip=0.0,
-            run__name=f"n-{tau}-{alpha}-{closing}"))
-        t = start_trainer(cfg, corpus, two_blocks_fn)
-        try:
-            assert t.num_fragments == 2
-            for k in range(1, 4):
-                t.outer_step(k)
-            traces = ray.get([r.rank0.sync_trace.remote() for r in t.replicas])
-            assert traces[0] and len(traces[0]) == len(traces[1])
-            assert [(r["send_step"], r["fragment"]) for r in traces[0]] == t.schedule.sends_between(0, 18)
-            assert sum(t.schedule.is_closing(r["fragment"], r["send_step"]) for r in traces[0]) == 1
-            step = 2.0 ** -6  # the known inner update: AdamW with betas 0 and unit gradients moves by lr
-            for a, b in zip(*traces):
-                for key in ("old_global", "local_at_send", "new_global", "local_before_merge", "merged"):
-                    assert torch.equal(a[key], b[key]), key  # replicas agree bitwise
-                old, local = a["old_global"], a["local_at_send"]
-                if closing == "average" and t.schedule.is_closing(a["fragment"], a["send_step"]):
-                    assert torch.equal(a["new_global"], old - (old - local))
-                else:
-                    assert torch.equal(a["new_global"], old - 2 * (old - local))
-                merge_local = a["local_before_merge"]
-                assert torch.equal(a["merged"], alpha * merge_local + (1 - alpha) * a["new_global"])
-                assert a["apply_step"] == min(a["send_step"] + tau, 18)
-                n = a["apply_step"] - a["send_step"]
-                torch.testing.assert_close(merge_local, local - n * step, rtol=0, atol=1e-6)
-            final = ray.get(t.driver.global_params.remote())
-            for f in (0, 1):
-                last = [r for r in traces[0] if r["fragment"] == f][-1]
-                assert last["send_step"] == 18 and np.array_equal(final[f], last["new_global"].numpy())
-        finally:
-            t.shutdown()
+    alpha, closing = 0.5, "average"
+    cfg = load_config(tiny_overrides(
+        tmp_path, diloco__H=6, run__steps=18, run__trace_syncs=True, run__eval_every=0, run__checkpoint_every=0,
+        streaming__fragments=2, streaming__overlap_steps=tau, streaming__alpha=alpha,
+        streaming__closing_round=closing, outer__name="sgd", outer__lr=2.0, outer__momentum=0.0,
+        inner__lr=2.0 ** -6, inner__beta1=0.0, inner__beta2=0.0, inner__eps=2.0 ** -30, inner__weight_decay=0.0,
+        inner__warmup_steps=0, inner__min_lr_ratio=1.0, inner__grad_clip=0.0,
+        run__name=f"n-{tau}-{alpha}-{closing}"))
+    t = start_trainer(cfg, corpus, two_blocks_fn)
+    try:
+        assert t.num_fragments == 2
+        for k in range(1, 4):
+            t.outer_step(k)
+        traces = ray.get([r.rank0.sync_trace.remote() for r in t.replicas])
+        assert traces[0] and len(traces[0]) == len(traces[1])
+        assert [(r["send_step"], r["fragment"]) for r in traces[0]] == t.schedule.sends_between(0, 18)
+        assert sum(t.schedule.is_closing(r["fragment"], r["send_step"]) for r in traces[0]) == 1
+        step = 2.0 ** -6  # the known inner update: AdamW with betas 0 and unit gradients moves by lr
+        for a, b in zip(*traces):
+            for key in ("old_global", "local_at_send", "new_global", "local_before_merge", "merged"):
+                assert torch.equal(a[key], b[key]), key  # replicas agree bitwise
+            old, local = a["old_global"], a["local_at_send"]
+            if closing == "average" and t.schedule.is_closing(a["fragment"], a["send_step"]):
+                assert torch.equal(a["new_global"], old - (old - local))
+            else:
+                assert torch.equal(a["new_global"], old - 2 * (old - local))
+            merge_local = a["local_before_merge"]
+            assert torch.equal(a["merged"], alpha * merge_local + (1 - alpha) * a["new_global"])
+            assert a["apply_step"] == min(a["send_step"] + tau, 18)
+            n = a["apply_step"] - a["send_step"]
+            torch.testing.assert_close(merge_local, local - n * step, rtol=0, atol=1e-6)
+        final = ray.get(t.driver.global_params.remote())
+        for f in (0, 1):
+            last = [r for r in traces[0] if r["fragment"] == f][-1]
+            assert last["send_step"] == 18 and np.array_equal(final[f], last["new_global"].numpy())
+    finally:
+        t.shutdown()
 
 
 def test_one_fragment_no_overlap_no_quantisation_is_core_diloco_bitwise(ray_session, tmp_path, corpus):

@@ -5,15 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import average_pseudo_gradients, downlink_encode, encode_downlink, outer_step
+from helpers import average_pseudo_gradients, downlink_encode, encode_downlink, outer_step, pseudo_gradients
 
 from ray_diloco.config import OuterConfig
 from ray_diloco.core.outer import OuterOptimizer
-
-
-def _deltas(seed, n, m):
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal(n).astype(np.float32) for _ in range(m)]
 
 
 def test_nesterov_matches_torch_sgd_over_three_steps():
@@ -25,7 +20,7 @@ def test_nesterov_matches_torch_sgd_over_three_steps():
     buf = np.zeros(37, np.float64)
     manual = theta0.astype(np.float64)
     for step in range(3):
-        ds = _deltas(step + 1, 37, 3)
+        ds = pseudo_gradients(step + 1, 37, 3)
         outer_step(outer, 0, [1.0, 1.0, 1.0], *ds)
         ref.grad = torch.tensor(np.mean(np.stack(ds).astype(np.float64), 0).astype(np.float32))
         sgd.step()
@@ -60,10 +55,10 @@ def test_weighted_mean_by_tokens():
 def test_state_dict_round_trip_continues_identically():
     theta0 = np.arange(10, dtype=np.float32)
     a = OuterOptimizer([theta0], OuterConfig())
-    outer_step(a, 0, [1.0, 1.0], *_deltas(1, 10, 2))
+    outer_step(a, 0, [1.0, 1.0], *pseudo_gradients(1, 10, 2))
     b = OuterOptimizer([np.zeros(10, np.float32)], OuterConfig())
     b.load_state_dict(a.state_dict())
-    ds = _deltas(2, 10, 2)
+    ds = pseudo_gradients(2, 10, 2)
     outer_step(a, 0, [1.0, 1.0], *ds)
     outer_step(b, 0, [1.0, 1.0], *ds)
     assert a.state_hash() == b.state_hash()
@@ -82,7 +77,7 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
     downlink = Downlink(fmt, True, 1)
     held, residual = torch.tensor(theta0), None
     for k in range(3):
-        ds = _deltas(20 + k, 600, 2)
+        ds = pseudo_gradients(20 + k, 600, 2)
         out = outer_step(maths, 0, [1.0, 2.0], *ds)
         assert "message" not in out and torch.equal(out["before"], held)
         message, applied, residual = encode_downlink(out["before"], maths.params[0], fmt, residual)
@@ -113,7 +108,7 @@ def test_the_chunked_step_is_bitwise_torch_sgd_on_the_ordered_mean(name, momentu
     sgd = torch.optim.SGD([ref], lr=1.0 if average_only else 0.7, momentum=0.0 if average_only else momentum,
                           nesterov=name == "nesterov" and not average_only)
     for k in range(3):
-        ds, ws = _deltas(40 + k, n, 3), [1.0, 3.0, 2.0]
+        ds, ws = pseudo_gradients(40 + k, n, 3), [1.0, 3.0, 2.0]
         means = []
         for _ in range(3):
             m = OrderedMean(n)
@@ -147,7 +142,7 @@ def test_the_downlink_from_the_update_is_bitwise_the_downlink_from_the_step(fmt)
     a, b = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
     da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
     for k in range(3):
-        ds = _deltas(60 + k, n, 2)
+        ds = pseudo_gradients(60 + k, n, 2)
         out = outer_step(a, 0, [1.0, 2.0], *ds)
         msg_a = downlink_encode(da, a, 0, out["before"])
         mean = OrderedMean(n)
