@@ -25,13 +25,20 @@ its sync step. For each (P, M, format, K):
   the process's own memory) and ``*_shmem_u`` (``RssShmem``: object-store pages mapped);
   ``outer_max_private_u``: the largest one process of the outer side;
   ``job_private_u``: the job's process (the trainer);
+- ``--step-s S``: each inner step also sleeps S seconds (0: the exchange is all there is, its worst
+  case; with S > 0 work done in the background between syncs, e.g. the shards' copies, is hidden
+  as real compute hides it);
+- ``copy_u``: with K > 1 and ``diloco.outer_shard_backup`` on (``--backup on off`` measures both),
+  the bytes of the copies the shards keep of each other's state (``runtime.outer_shards``), in U;
+  each outer step sends as many bytes between the shards;
 - ``run_extra_u``: the peak over the run of the private memory of every process of the run
   (this one, the outer-optimiser actor, the workers; ``RssAnon``, sampled every 50 ms) plus the
   object store's bytes in use, minus the same figure for a run with P = 1000 and the same M and
   K (the processes' own start-up memory), in U.
 
     python benchmarks/exchange.py [--params 1e6 1e7 1e8] [--replicas 2 4] [--formats none fp4_e3m0]
-                                  [--shards 1 2] [--outer-steps 4] [--json PATH]
+                                  [--shards 1 2] [--backup on off] [--step-s 0] [--outer-steps 4]
+                                  [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,14 +66,17 @@ class BigModel(torch.nn.Module):
     """``w``: ``[P]`` fp32 that every forward scales by 0.9999 outside autograd (so it gets no
     gradient and no AdamW state, yet changes); logits: a ``[vocab]`` bias for every position."""
 
-    def __init__(self, params: int, vocab_size: int):
+    def __init__(self, params: int, vocab_size: int, step_s: float = 0.0):
         super().__init__()
+        self.step_s = step_s  # seconds of "compute" per forward (slept: the cores stay free)
         self.w = torch.nn.Parameter(torch.empty(params).normal_(0.0, 0.02))  # in place: no temporary
         self.bias = torch.nn.Parameter(torch.zeros(vocab_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             self.w.mul_(0.9999)
+        if self.step_s:
+            time.sleep(self.step_s)
         b, t = input_ids.shape
         return self.bias.view(1, 1, -1).expand(b, t, -1).contiguous()
 
@@ -74,11 +84,11 @@ class BigModel(torch.nn.Module):
 class BigModelFn:
     """A picklable ``model_fn`` building :class:`BigModel` with ``params`` values."""
 
-    def __init__(self, params: int):
-        self.params = params
+    def __init__(self, params: int, step_s: float = 0.0):
+        self.params, self.step_s = params, step_s
 
     def __call__(self, shape: dict, vocab_size: int) -> torch.nn.Module:
-        return BigModel(self.params, vocab_size)
+        return BigModel(self.params, vocab_size, self.step_s)
 
 
 # -- /proc ------------------------------------------------------------------------------------
@@ -139,7 +149,8 @@ class Sampler:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str, shards: int = 1):
+def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str, shards: int = 1,
+            backup: bool = True):
     from ray_diloco.config import load_config
 
     H = 2
@@ -148,16 +159,16 @@ def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str
         "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 16},
         "inner": {"global_batch": 4, "warmup_steps": 1},
         "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": 1, "sync_timeout_s": 1800.0,
-                   "outer_shards": shards},
+                   "outer_shards": shards, "outer_shard_backup": backup},
         "streaming": {"quantization": fmt},
         "run": {"steps": H * outer_steps, "eval_every": 0, "checkpoint_every": 0, "log_hashes": False,
-                "output_dir": out_dir, "name": f"p{params}-m{replicas}-{fmt}-k{shards}"},
+                "output_dir": out_dir, "name": f"p{params}-m{replicas}-{fmt}-k{shards}-b{int(backup)}"},
         "tracking": {"wandb": False, "progress": False},
     })
 
 
 def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str,
-                 shards: int = 1) -> dict:
+                 shards: int = 1, backup: bool = True, step_s: float = 0.0) -> dict:
     """One run of ``outer_steps`` outer steps; the sync figures and peak memories."""
     import ray
 
@@ -165,8 +176,8 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards)
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params))
+    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup)
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params, step_s))
     t.start()
     try:
         workers = all_workers(t.replicas)
@@ -181,13 +192,14 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
                 syncs += [m["sync_s"] for m in metrics]
                 moved += [m["link"]["bytes_up"] + m["link"]["bytes_down"] for m in metrics]
         peak_total = sampler.stop()
+        copies = ray.get(t.driver.memory.remote())["backup_bytes"]
         outer_hwm = sum(_status(p, "VmHWM") for p in outer_pids)
         worker_hwm = max(_status(p, "VmHWM") for p in worker_pids)
     finally:
         t.shutdown()
     sync_s = statistics.median(syncs)
     return {"sync_s": sync_s, "sync_s_all": syncs, "bytes_per_sync": int(statistics.median(moved)),
-            "outer_peak_rss": outer_hwm, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total,
+            "outer_peak_rss": outer_hwm, "copy_bytes": copies, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total,
             "outer_private": sum(sampler.private[p] for p in outer_pids),
             "outer_shmem": sum(sampler.shmem[p] for p in outer_pids),
             "outer_max_private": max(sampler.private[p] for p in outer_pids),
@@ -248,6 +260,10 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["none", "fp4_e3m0"])
     ap.add_argument("--shards", type=int, nargs="+", default=[1, 2], help="diloco.outer_shards K values")
     ap.add_argument("--outer-steps", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=0.0,
+                    help="seconds each inner step sleeps (compute the exchange's background work can hide behind)")
+    ap.add_argument("--backup", choices=("on", "off"), nargs="+", default=["on"],
+                    help="diloco.outer_shard_backup (K > 1): the shards' copies of each other's state")
     ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
@@ -265,7 +281,7 @@ def main() -> None:
     base = {(m, k): measure_sync(1000, m, "none", 2, corpus, out_dir, k)["run_peak_total"]
             for m in args.replicas for k in args.shards}
     print(f"{'P':>6} {'M':>2} {'format':>9} {'K':>2} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
-          f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7}", flush=True)
+          f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7} {'copy_U':>6}", flush=True)
     for p in (int(x) for x in args.params):
         U = 4 * p
         memcpy_s = measure_memcpy(p)
@@ -273,9 +289,12 @@ def main() -> None:
             if (p, m) in skip:
                 continue
             allreduce_s = measure_allreduce(p, m)
-            for fmt, k in ((f, k) for f in args.formats for k in args.shards):
-                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k)
-                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": k, "sync_s": r["sync_s"],
+            for fmt, k, b in ((f, k, b) for f in args.formats for k in args.shards for b in args.backup):
+                if k == 1 and b == "off" and "on" in args.backup:
+                    continue  # K = 1 keeps no copies: the same run
+                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s)
+                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
+                       "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"],
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
                        "bytes_per_sync": r["bytes_per_sync"], "sync_s_all": r["sync_s_all"],
@@ -290,7 +309,7 @@ def main() -> None:
                 print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {k:>2} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
                       f"{memcpy_s:>8.3f} {row['sync_gb_s']:>6.2f} {row['outer_peak_rss_u']:>7.1f} "
                       f"{row['outer_private_u']:>6.1f} {row['worker_peak_rss_u']:>8.1f} {row['worker_private_u']:>6.1f} "
-                      f"{row['run_extra_u']:>7.1f}   (load {row['load_avg_1m']:.1f})",
+                      f"{row['run_extra_u']:>7.1f} {row['copy_u']:>6.1f}   (load {row['load_avg_1m']:.1f})",
                       flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

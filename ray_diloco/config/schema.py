@@ -229,6 +229,12 @@ class DiLoCoConfig:
     placed with a SPREAD strategy, so the exchange's bytes spread over K nodes' links (K = replica
     nodes: each node sends and receives about a ring all-reduce's bytes). 1: the driver itself holds
     the global parameters. Results are bitwise the same for every K (SGD/Nesterov)."""
+    outer_shard_backup: bool = True
+    """With K > 1: after every outer step each shard's new state (global values, outer-optimiser
+    momentum, residual) is copied to the next shard, so a shard lost with its node is rebuilt on a live
+    node with the same bits and the run goes on (docs/elasticity.md). Costs each shard a second copy of
+    its neighbour's slice (2 U/K with SGD/Nesterov, U = 4 bytes x parameters) and as many bytes per
+    outer step. false: a shard's loss stops the run (resume from the last checkpoint)."""
 
 
 @dataclass

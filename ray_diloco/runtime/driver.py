@@ -51,13 +51,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import math
 import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -65,21 +63,13 @@ import numpy as np
 import ray
 import torch
 
-from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm, outer_state_hash
+from ray_diloco.core.outer import outer_state_hash
 from ray_diloco.core.quantize import message_nbytes
-from ray_diloco.core.shards import join_optimizer_states, shard_bounds, slice_optimizer_state
-from ray_diloco.core.wire import (
-    DROPPED,
-    FAILED,
-    OK,
-    REJECTED,
-    Downlink,
-    Reply,
-    message_numel,
-    message_size,
-    message_values,
-    transfer_allowance_s,
-)
+from ray_diloco.core.shards import join_optimizer_states, shard_bounds
+from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply, transfer_allowance_s
+from ray_diloco.runtime.outer_shards import OuterShard, ShardGroup, ShardLost, _rss_bytes
+
+__all__ = ["OuterDriver", "OuterDriverActor", "OuterShard"]
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 1
@@ -87,270 +77,14 @@ KEEP_FINISHED = 1
 MAX_EVENTS = 1000
 
 
-def _maths_threads() -> int:
-    """Threads for the outer step's tensor maths (Ray gives a ``num_cpus=0`` actor one)."""
-    try:
-        return max(1, min(4, len(os.sched_getaffinity(0))))
-    except AttributeError:
-        return max(1, min(4, os.cpu_count() or 1))
-
-
-def _decode_and_check(message: Any) -> tuple[np.ndarray | None, float | None]:
-    """(a check thread) A pseudo-gradient's fp32 values (a view of a ``none`` message) and their
-    norm, or ``(None, None)`` when it is malformed or not finite."""
-    try:
-        values = message_values(message)[1]
-    except ValueError:
-        return None, None
-    norm = finite_norm(values)
-    return (values, norm) if norm is not None else (None, None)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _combine_norms(norms: list[float]) -> float:
     """The L2 norm of a vector from its K slices' norms (the norm itself for K = 1)."""
     return norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
 
 
-class OuterShard:
-    """Slice ``shard`` of K of every fragment's global parameters (``core.shards.shard_bounds``):
-    the fp32 values, their outer-optimiser state and downlink residuals; it checks the replicas'
-    pseudo-gradient slices as they arrive and steps its slice when the driver closes a round.
-    The driver holds it in process (K = 1) or as an :data:`OuterShardActor` (K > 1).
-
-    The maths (the mean, the step, the encoding, every read of the state) runs on one FIFO thread,
-    so reads see every step submitted before them; checks run on their own threads.
-
-    Args:
-        cfg: the run config (dict). shard, shards: which slice of how many.
-    """
-
-    def __init__(self, cfg: dict[str, Any], shard: int = 0, shards: int = 1):
-        from ray_diloco.config import load_config
-
-        self.cfg = load_config(cfg, validate=False)
-        self.shard, self.shards = int(shard), int(shards)
-        self.opt: OuterOptimizer | None = None
-        self.bounds: list[slice] = []
-        self.pending: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # checked, not yet summed
-        torch.set_num_threads(_maths_threads())
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
-        # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
-        self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
-
-    async def _maths(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def ping(self) -> int:
-        """This process's id (answered during an outer step)."""
-        return os.getpid()
-
-    async def init_global(self, initial: list[Any]) -> list[int]:
-        """Take this shard's slice of every fragment (fp32 ``[numel_p]``, or an ObjectRef of one)
-        and a zero outer-optimiser state; returns the fragments' sizes ``numel_p``.
-
-        Raises:
-            RuntimeError: already set."""
-        if self.opt is not None:
-            raise RuntimeError("the outer driver's global parameters are already set")
-        return self.set_global([await g if isinstance(g, ray.ObjectRef) else g for g in initial])
-
-    def set_global(self, initial: list[np.ndarray]) -> list[int]:
-        """:meth:`init_global` with the values themselves."""
-        if self.opt is not None:
-            raise RuntimeError("the outer driver's global parameters are already set")
-        values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
-        self.bounds = [shard_bounds(v.size, self.shards)[self.shard] for v in values]
-        self.opt = OuterOptimizer([v[sl] for v, sl in zip(values, self.bounds)], self.cfg.outer)
-        s = self.cfg.streaming
-        self.downlink = Downlink(s.quantization, s.error_feedback, len(values))
-        self.versions = [0] * len(values)
-        return [v.size for v in values]
-
-    # -- a round ------------------------------------------------------------------------------
-    async def check(self, fragment: int, step: int, replica: int, message: Any) -> tuple[float | None, int]:
-        """Fetch (``[ObjectRef]``, zero-copy) and check replica ``replica``'s pseudo-gradient slice
-        of ``fragment`` for round ``step``; keep its values for :meth:`step`. Returns its norm
-        (None: not finite, not kept) and its bytes.
-
-        Raises:
-            ValueError: the message does not hold this slice's number of values, or is malformed."""
-        if isinstance(message, list):
-            (message,) = message
-        if isinstance(message, ray.ObjectRef):
-            message = await message
-        n = self.bounds[fragment].stop - self.bounds[fragment].start
-        got = message_numel(message)  # malformed input is refused here
-        if got != n:
-            what = "fragment" if self.shards == 1 else f"shard {self.shard} of fragment"
-            raise ValueError(f"replica {replica}: {what} {fragment} has {n} values, got {got}")
-        size = message_size(message)
-        values, norm = await asyncio.get_running_loop().run_in_executor(self._checks, _decode_and_check, message)
-        del message
-        if norm is not None:
-            assert values is not None  # kept with its norm
-            self.pending.setdefault((fragment, step), {})[replica] = values
-        return norm, size
-
-    def discard(self, fragment: int, step: int, replica: int | None = None) -> None:
-        """Drop the kept pseudo-gradients of a round (``replica``: only that one's)."""
-        if replica is None:
-            self.pending.pop((fragment, step), None)
-        else:
-            held = self.pending.get((fragment, step), {})
-            held.pop(replica, None)
-            if not held:
-                self.pending.pop((fragment, step), None)
-
-    async def step(
-        self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool
-    ) -> tuple[Any, int, float, int]:
-        """The outer step of this slice on the token-weighted mean of ``terms`` (``(replica,
-        weight)`` in the driver's order; weight 0: in the round, not in the sum), and its reply
-        put once into the object store. Returns ``(reference, bytes, update norm, version)``."""
-        held = self.pending.pop((fragment, step), {})
-        mean = OrderedMean(self.bounds[fragment].stop - self.bounds[fragment].start)
-        for m, w in terms:
-            if w > 0:
-                mean.add(held[m], w)
-        del held
-        return await self._maths(self._step, fragment, mean, average_only)
-
-    def _step(self, fragment: int, mean: OrderedMean, average_only: bool) -> tuple[Any, int, float, int]:
-        """(maths thread) ``OuterOptimizer.step_ordered`` (mean and step in one chunked pass) and
-        the reply: with ``none`` the new global slice itself; otherwise the quantised update,
-        which this shard applies to its own copy exactly as every receiver does
-        (``core.wire.Downlink.encode_update``)."""
-        assert self.opt is not None  # set_global first
-        s, p = self.cfg.streaming, self.opt.params[fragment]
-        if s.quantization == "none":
-            norm, _ = self.opt.step_ordered(fragment, mean, average_only)
-            ref, size = ray.put(p.numpy()), message_nbytes(p.numel(), "none")
-        else:
-            _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
-            assert update is not None  # keep_update returns it
-            message, norm = self.downlink.encode_update(self.opt, fragment, update)
-            del update
-            ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
-        self.versions[fragment] += 1
-        return ref, size, norm, self.versions[fragment]
-
-    async def current(self, fragment: int) -> tuple[int, Any, int]:
-        """``(version, reference, bytes)`` of this slice's current global values (a resync)."""
-
-        def put() -> tuple[int, Any, int]:
-            assert self.opt is not None  # set_global first
-            p = self.opt.params[fragment]
-            return self.versions[fragment], ray.put(p.numpy()), message_nbytes(p.numel(), "none")
-
-        return await self._maths(put)
-
-    # -- state ---------------------------------------------------------------------------------
-    async def global_refs(self) -> list[Any]:
-        """This shard's slice of every fragment (fp32) put once into the object store."""
-        assert self.opt is not None  # set_global first
-        return await self._maths(lambda: [ray.put(p.numpy()) for p in self.opt.params])
-
-    async def global_params(self) -> list[np.ndarray]:
-        """Copies of this shard's slice of every fragment, fp32."""
-        assert self.opt is not None  # set_global first
-        return await self._maths(self.opt.global_params)
-
-    def read(self, unit: int, start: int, stop: int) -> np.ndarray:
-        """A copy of values ``[start, stop)`` of this shard's slice of exchange unit ``unit`` (fp32)."""
-        assert self.opt is not None  # set_global first
-        return self.opt.params[unit][start:stop].numpy().copy()
-
-    async def state_dict(self) -> dict[str, Any]:
-        """This slice's global values, optimiser state, step counts, residuals and versions."""
-        assert self.opt is not None  # set_global first
-        return await self._maths(
-            lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(), "versions": list(self.versions)}
-        )
-
-    async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take this shard's slice of a whole (K = 1 layout) outer state: the layout of a
-        checkpoint does not depend on K, so a run resumes with any ``diloco.outer_shards``."""
-        await self._maths(self._load_state_dict, state)
-
-    def _load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.opt is not None  # set_global first
-        n = len(self.opt.params)
-        if len(state["global"]) != n:
-            raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
-        numels = [np.asarray(g).size for g in state["global"]]
-        self.opt.load_state_dict(
-            {
-                "global": [
-                    np.asarray(g, dtype=np.float32).reshape(-1)[sl] for g, sl in zip(state["global"], self.bounds)
-                ],
-                "optimizers": [
-                    slice_optimizer_state(o, sl, k) for o, sl, k in zip(state["optimizers"], self.bounds, numels)
-                ],
-                "steps": state["steps"],
-            }
-        )
-        residuals = state.get("residuals") or [None] * n
-        self.downlink.load_state_dict(
-            [
-                None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
-                for r, sl in zip(residuals, self.bounds)
-            ]
-        )
-        self.versions = list(state.get("versions", [0] * n))
-
-    async def state_hash(self) -> dict[str, str]:
-        """sha256 of the global parameters and outer buffers (K = 1: the whole state's)."""
-        assert self.opt is not None  # set_global first
-        return await self._maths(self.opt.state_hash)
-
-    def memory(self) -> dict[str, int]:
-        """Bytes of the checked pseudo-gradients kept for open rounds, and this process's RSS."""
-        return {
-            "held_bytes": sum(v.nbytes for held in self.pending.values() for v in held.values()),
-            "rss_bytes": _rss_bytes(),
-        }
-
-
-#: A shard as a Ray actor (K > 1). No CPU reserved (like the driver): its maths sets its own threads.
-OuterShardActor = ray.remote(num_cpus=0)(OuterShard)
-
-
-class _Shards:
-    """The driver's K shards: calls run on all of them and are gathered in shard order; K = 1 is
-    the in-process :class:`OuterShard`, K > 1 are actors."""
-
-    def __init__(self, cfg: dict[str, Any], k: int):
-        self.k = k
-        if k == 1:
-            self.local: OuterShard | None = OuterShard(cfg)
-            self.actors: list[Any] = []
-        else:
-            self.local = None
-            self.actors = [OuterShardActor.options(scheduling_strategy="SPREAD").remote(cfg, i, k) for i in range(k)]
-
-    async def one(self, i: int, name: str, *args: Any) -> Any:
-        if self.local is not None:
-            out = getattr(self.local, name)(*args)
-            return await out if inspect.isawaitable(out) else out
-        return await getattr(self.actors[i], name).remote(*args)
-
-    async def all(self, name: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(self.one(i, name, *args) for i in range(self.k))))
-
-    async def each(self, name: str, per_shard: list[tuple]) -> list[Any]:
-        """Call shard i with ``per_shard[i]``; every call finishes (an exception is returned in
-        its place, not raised while others still run)."""
-        return list(
-            await asyncio.gather(*(self.one(i, name, *a) for i, a in enumerate(per_shard)), return_exceptions=True)
-        )
+def _object_lost(e: BaseException) -> bool:
+    """A pseudo-gradient whose object died with its node or its owner (the sending replica)."""
+    return isinstance(e, ray.exceptions.ObjectLostError)
 
 
 @dataclass
@@ -366,6 +100,9 @@ class _Round:
     bytes_up: int = 0
     average_only: bool = False  # a closing round (schedule.averages): the mean, no outer step
     closing: bool = False
+    parts: dict[int, list[Any]] = field(default_factory=dict)  # valid ones' K parts, kept to rebuild a shard
+    stepping: bool = False  # its outer step was sent to the shards
+    stepped: bool = False  # every shard took it
 
 
 @dataclass
@@ -380,11 +117,230 @@ class _Finished:
     rejected: frozenset[int]
 
 
+@dataclass
+class _Stepped:
+    """An outer step every shard took whose copies (``diloco.outer_shard_backup``) are not all
+    kept yet: what a shard rebuilt from the older copy needs to take it again."""
+
+    step: int
+    terms: list[tuple[int, float]]
+    parts: dict[int, list[Any]]  # replica -> its K pseudo-gradient parts (ObjectRefs the replica owns)
+    average_only: bool
+    version: int  # the fragment's version after it
+
+
+class _Recovery:
+    """The driver's side of surviving a shard's loss (``runtime.outer_shards``): calls that rebuild
+    a dead shard and call it again, the copies sent after each outer step, and the rebuild itself
+    (new shard from its buddy's copy, open rounds' pseudo-gradients checked again, a step the copy
+    missed taken again), one at a time.
+
+    Args:
+        driver: the :class:`OuterDriver` it serves (its rounds, versions, events, shards).
+    """
+
+    def __init__(self, driver: OuterDriver):
+        self.d = driver
+        self.lock = asyncio.Lock()
+        self.enabled = driver.shards.k > 1 and driver.cfg.diloco.outer_shard_backup
+        self.unbacked: dict[int, list[_Stepped]] = {}  # fragment -> its steps not yet in every copy, oldest first
+        self.keeping: dict[int, list[asyncio.Future]] = {}  # fragment -> copies being sent, oldest first
+        self.seeded = False
+        self.recovered = 0
+
+    async def idle(self) -> None:
+        """Wait for a rebuild in progress (an outer step is not sent to a shard being rebuilt)."""
+        async with self.lock:
+            pass
+
+    async def call(self, name: str, per_shard: list[tuple], only: list[int] | None = None) -> list[Any]:
+        """``ShardGroup.each`` where a dead shard is rebuilt (:meth:`recover`) and called again, as is
+        one replaced while its call ran (its answer came from the dead one). For idempotent calls.
+
+        Raises:
+            RuntimeError: a shard was lost and cannot be rebuilt."""
+        shards = self.d.shards
+        todo = list(range(shards.k)) if only is None else list(only)
+        outs: list[Any] = [None] * shards.k
+        for _ in range(3):
+            await self.idle()  # never a shard in the middle of its rebuild
+            gens = list(shards.gens)
+            got = await shards.each(name, per_shard, todo)
+            for i in todo:
+                outs[i] = got[i]
+            lost = [o for o in got if isinstance(o, ShardLost)]
+            todo = [i for i in todo if isinstance(got[i], ShardLost) or shards.gens[i] != gens[i]]
+            if not todo:
+                break
+            await self.recover(lost)
+        return outs
+
+    async def all(self, name: str, *args: Any) -> list[Any]:
+        """:meth:`call` on every shard with the same arguments; raises the first error."""
+        outs = await self.call(name, [args] * self.d.shards.k)
+        for o in outs:
+            if isinstance(o, BaseException):
+                raise o
+        return outs
+
+    async def one(self, i: int, name: str, *args: Any) -> Any:
+        """:meth:`call` on shard ``i`` only; returns its answer or raises its error."""
+        out = (await self.call(name, [args] * self.d.shards.k, [i]))[i]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def seed(self) -> None:
+        """Every shard's whole state copied to its buddy (after the global parameters are set or
+        restored: copies are then sent per outer step)."""
+        if not self.enabled:
+            return
+        async with self.lock:
+            await self._send_copies(None)
+            self.seeded = True
+
+    async def _send_copies(self, fragments: list[int] | None) -> None:
+        """Each shard's slice state of ``fragments`` (None: all) copied to its buddy (no rebuild on
+        the way: the caller holds the lock)."""
+        refs = await self.d.shards.each("backup_all", [(fragments,)] * self.d.shards.k)
+        for o in refs:
+            if isinstance(o, BaseException):
+                raise o
+        await self.all_keep(refs)
+
+    async def all_keep(self, refs: list[Any], values: list[Any] | None = None) -> list[Any]:
+        """Shard ``b`` keeps ``refs[(b - 1) % K]`` (each shard's copy goes to its buddy; with
+        ``values``, the global slice left out of it); raises the first error."""
+        k = self.d.shards.k
+        for o in refs:
+            if isinstance(o, BaseException):
+                raise o
+        per = [((b - 1) % k, refs[(b - 1) % k], None if values is None else values[(b - 1) % k]) for b in range(k)]
+        outs = await self.d.shards.each("keep", per)
+        for o in outs:
+            if isinstance(o, BaseException):
+                raise o
+        return outs
+
+    def after_step(self, fragment: int, stepped: _Stepped, replies: list[Any]) -> None:
+        """Send the copies of a step's new slice states to the buddies in the background (the
+        round's replies do not wait for them; with ``none`` the global values are the replies,
+        ``replies``: one per shard). The step (and its pseudo-gradients' references) is kept
+        until every buddy holds its version or a newer one (:meth:`settle` bounds the lag)."""
+        self.unbacked.setdefault(fragment, []).append(stepped)
+        plain = self.d.cfg.streaming.quantization == "none"
+
+        async def send() -> None:
+            try:  # the copy is taken on each shard's maths thread, after this step, before the next
+                refs = await self.d.shards.each("backup_all", [([fragment], not plain)] * self.d.shards.k)
+                await self.all_keep(refs, replies if plain else None)
+            except Exception:  # a shard died: its rebuild takes the step again or sends a fresh copy
+                return
+            self.unbacked[fragment] = [u for u in self.unbacked.get(fragment, []) if u.version > stepped.version]
+
+        tasks = self.keeping.setdefault(fragment, [])
+        task = asyncio.ensure_future(send())
+        tasks.append(task)
+        task.add_done_callback(lambda t: tasks.remove(t) if t in tasks else None)
+
+    async def settle(self, fragment: int) -> None:
+        """Before ``fragment``'s next step: wait for the copies of all its steps but the last one
+        (one step's copies may still travel while the next step is taken: they are off the
+        rounds' path as long as an outer step lasts longer than a copy)."""
+        for task in list(self.keeping.get(fragment, []))[:-1]:
+            await task
+
+    async def recover(self, lost: list[ShardLost]) -> None:
+        """Rebuild the shards in ``lost`` that were not rebuilt since (one rebuild at a time).
+
+        Raises:
+            RuntimeError: the run cannot go on (no copies kept, a shard and its buddy both lost, a
+                step that cannot be taken again); every later ping raises it too."""
+        d = self.d
+        async with self.lock:
+            todo = sorted({e.shard for e in lost if d.shards.gens[e.shard] == e.gen})
+            if not todo:
+                return
+            if d._broken:
+                raise RuntimeError(d._broken)
+            why = next(e for e in lost if e.shard == todo[0]).cause
+            if not self.enabled or not self.seeded:
+                off = "diloco.outer_shard_backup is off" if not self.enabled else "no copy of it was kept yet"
+                d._broken = f"outer-optimiser shard {todo[0]} died ({type(why).__name__}) and {off}"
+                raise RuntimeError(d._broken)
+            await asyncio.gather(*(t for ts in self.keeping.values() for t in ts), return_exceptions=True)
+            for i in todo:
+                try:
+                    info = await d.shards.replace(i)
+                    await self._recheck(i)
+                    redone = await self._redo(i, info["versions"])
+                    behind = sorted(f for f, us in self.unbacked.items() if us)
+                    if behind:  # steps whose copies went to the dead shard: sent again from the live ones
+                        await self._send_copies(behind)
+                    self.unbacked.clear()
+                except Exception as e:
+                    d._broken = f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
+                    raise RuntimeError(d._broken) from None
+                self.recovered += 1
+                d._event("shard_recovered", None, shard=i, node=info["node"][:12],
+                         seconds=round(info["seconds"], 2), redone=redone)  # fmt: skip
+
+    async def _recheck(self, i: int) -> None:
+        """The open rounds' kept pseudo-gradients checked again on the new shard ``i``. A part whose
+        object died (its sender's node) leaves its replica out of a round not yet stepped.
+
+        Raises:
+            RuntimeError: a part of a round being stepped is gone."""
+        d = self.d
+        for (f, s), r in list(d.rounds.items()):
+            if r.stepped:
+                continue
+            for m, parts in sorted(r.parts.items()):
+                out = (await d.shards.each("check", [(f, s, m, [parts[i]])] * d.shards.k, [i]))[i]
+                if isinstance(out, BaseException):
+                    if r.stepping or not _object_lost(out):
+                        raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f}: {out}")
+                    r.weights.pop(m, None), r.norms.pop(m, None), r.parts.pop(m, None)
+                    d._event("lost", m, fragment=f, step=s, reason="its pseudo-gradient died with its node")
+
+    async def _redo(self, i: int, versions: list[int]) -> list[int]:
+        """Take again, on the new shard ``i`` restored at ``versions``, the steps its copy had not
+        caught up with, in order, from their kept pseudo-gradients; returns their fragments (one
+        entry per step).
+
+        Raises:
+            RuntimeError: a step missing from those kept, or a pseudo-gradient of one is gone."""
+        d, redone = self.d, []
+        for f, v in enumerate(versions):
+            chain = [u for u in self.unbacked.get(f, []) if u.version > v]
+            if [u.version for u in chain] != list(range(v + 1, d.versions[f] + 1)):
+                raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {d.versions[f]}")
+            for u in chain:
+                await self._take_again(i, f, u)
+                redone.append(f)
+        return redone
+
+    async def _take_again(self, i: int, f: int, u: _Stepped) -> None:
+        """Step ``u`` of fragment ``f`` on shard ``i`` again (its pseudo-gradients checked again)."""
+        d = self.d
+        for m, parts in sorted(u.parts.items()):
+            out = (await d.shards.each("check", [(f, u.step, m, [parts[i]])] * d.shards.k, [i]))[i]
+            if isinstance(out, BaseException):
+                raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
+        out = (await d.shards.each("step", [(f, u.step, u.terms, u.average_only)] * d.shards.k, [i]))[i]
+        if isinstance(out, BaseException) or out[3] != u.version:
+            raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
+        rec = d.finished.get((f, u.step))
+        if rec is not None and isinstance(rec.message, list):  # later receivers fetch the new slice
+            rec.message[i] = out[0]
+
+
 class _DriverReads:
     """The driver's liveness, read and checkpoint calls (a part of :class:`OuterDriver`): reads of
     the global parameters and outer state wait until no outer step runs."""
 
-    shards: _Shards
+    shards: ShardGroup
+    recovery: _Recovery
     numels: list[int] | None
     versions: list[int]
     last_finished: list[int]
@@ -399,9 +355,12 @@ class _DriverReads:
     init_global: Callable[[list[Any]], Awaitable[None]]
 
     async def _ready(self) -> None:
-        """Wait for the shard actors' initialisation (every caller awaits the same calls)."""
+        """Wait for the shard actors' initialisation (every caller awaits the same calls) and their
+        first copies to their buddies."""
         if self._pending_init:
             await asyncio.gather(*self._pending_init)
+        if self.recovery.enabled and not self.recovery.seeded and self.numels is not None:
+            await self.recovery.seed()
 
     async def ping(self) -> int:
         """The driver's process id (the trainer's liveness check; answered during an outer step).
@@ -413,7 +372,7 @@ class _DriverReads:
         if self._broken:
             raise RuntimeError(self._broken)
         if self.shards.actors:
-            await asyncio.gather(*(a.ping.remote() for a in self.shards.actors))
+            await self.recovery.all("ping")  # a dead shard is rebuilt first (diloco.outer_shard_backup)
         return os.getpid()
 
     async def outer_pids(self) -> list[int]:
@@ -437,7 +396,7 @@ class _DriverReads:
             for lock in self._locks:
                 await lock.acquire()
                 held.append(lock)
-            return await self.shards.all(name, *args)
+            return await self.recovery.all(name, *args)
         finally:
             for lock in held:
                 lock.release()
@@ -463,7 +422,7 @@ class _DriverReads:
         for k, b in enumerate(shard_bounds(self.numels[unit], self.shards.k)):
             lo, hi = max(start, b.start), min(stop, b.stop)
             if lo < hi:
-                parts.append(await self.shards.one(k, "read", unit, lo - b.start, hi - b.start))
+                parts.append(await self.recovery.one(k, "read", unit, lo - b.start, hi - b.start))
         return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
     async def global_versions(self) -> list[int]:
@@ -583,6 +542,7 @@ class _DriverReads:
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (each shard takes its slice of the one object)."""
         await self._quiet("load_state_dict", ray.put(state) if self.shards.actors else state)
+        self.recovery.seeded = False  # the copies are sent again before the next round
         assert self.numels is not None  # init_global first
         n = len(self.numels)
         self.versions = list(state.get("versions", [0] * n))
@@ -603,11 +563,13 @@ class _DriverReads:
 
     async def memory(self) -> dict[str, int]:
         """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients
-        held by the shards, kept replies), queued events and stats, and the resident memory
+        held by the shards, kept replies), the shards' copies of each other's state
+        (``diloco.outer_shard_backup``; as many bytes move per outer step), queued events and stats, and the resident memory
         (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
-        shards = await self.shards.all("memory")
+        shards = await self.recovery.all("memory")
         held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
         out = {
+            "backup_bytes": sum(m["backup_bytes"] for m in shards),  # copies of neighbours' state
             "open_rounds": len(self.rounds),
             "finished_rounds": len(self.finished),
             "held_bytes": held,
@@ -648,7 +610,8 @@ class OuterDriver(_DriverReads):
         self.stats: list[dict[str, Any]] = []
         self.events: deque = deque(maxlen=MAX_EVENTS)
         self.failed_rounds = 0
-        self.shards = _Shards(self.cfg.to_dict(), c.diloco.outer_shards)
+        self.shards = ShardGroup(self.cfg.to_dict(), c.diloco.outer_shards)
+        self.recovery = _Recovery(self)
         self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
         self._broken: str | None = None  # K > 1 shards out of step: the run must stop (ping raises)
         self._checking: set[tuple[int, int, int]] = set()  # (fragment, step, replica) being checked
@@ -754,6 +717,7 @@ class OuterDriver(_DriverReads):
 
     async def _finish(self, fragment: int, step: int, r: _Round) -> None:
         async with self._locks[fragment]:  # rounds of a fragment step in the order they closed
+            await self.recovery.settle(fragment)  # the previous step's copies are kept (or a rebuild redoes it)
             base = self.versions[fragment]
             try:
                 rec = await self._step_round(fragment, step, r)
@@ -761,7 +725,7 @@ class OuterDriver(_DriverReads):
                 self._event("round_failed", None, fragment=fragment, step=step, error=repr(e))
                 rec = _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
                 try:
-                    await self.shards.all("discard", fragment, step)
+                    await self.recovery.all("discard", fragment, step)
                 except Exception:  # a shard is gone: the next ping says so
                     pass
         if rec.failed:
@@ -782,7 +746,16 @@ class OuterDriver(_DriverReads):
         order = sorted(r.weights)
         if len(order) >= self.quorum and sum(r.weights.values()) > 0:
             terms = [(m, r.weights[m]) for m in order]
-            outs = await self.shards.each("step", [(fragment, step, terms, r.average_only)] * self.shards.k)
+            args = [(fragment, step, terms, r.average_only)] * self.shards.k
+            await self.recovery.idle()
+            r.stepping = True
+            outs = await self.shards.each("step", args)
+            lost = [o for o in outs if isinstance(o, ShardLost)]
+            if lost:  # rebuilt at the version before this step, with this round's parts checked again
+                await self.recovery.recover(lost)
+                again = await self.shards.each("step", args, [o.shard for o in lost])
+                for o in lost:
+                    outs[o.shard] = again[o.shard]
             errors = [o for o in outs if isinstance(o, BaseException)]
             if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
                 self._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
@@ -796,8 +769,12 @@ class OuterDriver(_DriverReads):
                                "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
                                "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})  # fmt: skip
             message = refs[0] if len(refs) == 1 else refs
+            r.stepped = True
+            if self.recovery.enabled:
+                stepped = _Stepped(step, terms, dict(r.parts), r.average_only, outs[0][3])
+                self.recovery.after_step(fragment, stepped, refs)
             return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
-        await self.shards.all("discard", fragment, step)
+        await self.recovery.all("discard", fragment, step)
         self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
                     cause="timeout" if self._expected(step) - r.arrived else "complete")  # fmt: skip
         return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
@@ -830,7 +807,7 @@ class OuterDriver(_DriverReads):
         if version == self.versions[fragment]:
             return Reply(status, self.versions[fragment])
         async with self._locks[fragment]:  # not in the middle of a step of this fragment
-            outs = await self.shards.all("current", fragment)
+            outs = await self.recovery.all("current", fragment)
         refs = [o[1] for o in outs]
         return Reply(status, outs[0][0], refs[0] if len(refs) == 1 else refs, resync=True, size=sum(o[2] for o in outs))
 
@@ -878,17 +855,19 @@ class OuterDriver(_DriverReads):
             assert parts is not None  # valid
             self._checking.add(key)
             try:
-                checks = await self.shards.each("check", [(fragment, step, replica, [p]) for p in parts])
+                checks = await self.recovery.call("check", [(fragment, step, replica, [p]) for p in parts])
             finally:
                 self._checking.discard(key)
-                del parts
             errors = [c for c in checks if isinstance(c, BaseException)]
             if errors:  # every shard's check has finished: nothing is kept after this discard
-                await self.shards.all("discard", fragment, step, replica)
+                await self.recovery.all("discard", fragment, step, replica)
+                if all(_object_lost(e) for e in errors):  # it died with its node: as its death, no error
+                    self._event("lost", replica, fragment=fragment, step=step, reason="pseudo-gradient lost")
+                    return Reply(DROPPED, self.versions[fragment])
                 raise errors[0]
             norms, size = [c[0] for c in checks], sum(c[1] for c in checks)
             if replica not in self.members or self._is_closed(fragment, step):  # closed while it was checked
-                await self.shards.all("discard", fragment, step, replica)
+                await self.recovery.all("discard", fragment, step, replica)
                 if replica in self.members:
                     self._event("late", replica, fragment=fragment, step=step)
                 return await self._reply(fragment, step, replica, version)
@@ -902,6 +881,9 @@ class OuterDriver(_DriverReads):
         else:
             r.weights[replica] = float(weight)
             r.norms[replica] = _combine_norms(cast(list[float], norms))  # none is None here
+            if self.recovery.enabled:  # kept (the replica owns the objects) to rebuild a lost shard
+                r.parts[replica] = cast(list[Any], parts)
+        del parts
         self._maybe_finish(fragment, step)
         if not r.done.is_set():
             await self._wait(fragment, step, r)

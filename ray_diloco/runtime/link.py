@@ -42,6 +42,19 @@ def resolve_reply(reply: Reply) -> Reply:
     return reply
 
 
+def fetch_reply(driver: Any, reply: Reply, unit: int, step: int, replica: int) -> Reply:
+    """:func:`resolve_reply`, or when the reply's objects died with the outer shard that held them
+    (``runtime.outer_shards``: its node was lost and it was rebuilt) a full-precision resync of the
+    fragment from the driver, with the round's status: the same bits the reply would have given."""
+    import ray
+
+    try:
+        return resolve_reply(reply)
+    except ray.exceptions.ObjectLostError:
+        again = ray.get(driver.result.remote(unit, step, replica, -1))  # -1: no version, always a resync
+        return resolve_reply(Reply(reply.status, again.version, again.message, True, again.size))
+
+
 def fetch_global(value: Any) -> np.ndarray:
     """A global fragment (fp32 ``[numel_p]``) from what the driver's ``global_refs`` gives for it:
     an array, an ObjectRef of one (fetched: a read-only view), or with K outer shards a list of
@@ -190,9 +203,8 @@ class Link:
             reply = ray.get(self.driver.result.remote(unit, step, self.replica, version, average_only))
         down = reply.nbytes
         self._sleep(down)
-        new_global = decode_reply(
-            old_global, resolve_reply(reply), alloc=None if self.buffers is None else self.buffers.take
-        )
+        resolved = fetch_reply(self.driver, reply, unit, step, self.replica)
+        new_global = decode_reply(old_global, resolved, alloc=None if self.buffers is None else self.buffers.take)
         staged = None
         if self.staging is not None and new_global is not old_global:
             staged = self.staging.to_device(new_global)

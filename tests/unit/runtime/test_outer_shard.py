@@ -1,4 +1,4 @@
-"""The outer-optimiser shard (runtime/driver.py's OuterShard) without Ray: its maths runs off the
+"""The outer-optimiser shard (runtime/outer_shards.py's OuterShard) without Ray: its maths runs off the
 actor's event loop, so the driver answers pings, joins and other replicas' messages while it
 decodes pseudo-gradients and steps a large fragment (the same property on a real actor, counted:
 integration/test_elastic.py::test_the_driver_answers_pings_and_joins_while_it_steps_a_large_fragment)."""
@@ -13,7 +13,7 @@ import torch
 
 from ray_diloco.config import load_config
 from ray_diloco.core.quantize import quantize_message
-from ray_diloco.runtime import driver as D
+from ray_diloco.runtime import outer_shards as D
 
 
 def test_decoding_and_the_outer_step_run_off_the_event_loop(monkeypatch):
