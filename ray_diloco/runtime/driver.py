@@ -33,8 +33,8 @@ fragment's bytes), and at most :data:`KEEP_FINISHED` finished round per fragment
 
 Sharding (``diloco.outer_shards`` K): the maths and the state of the global parameters live in
 :class:`OuterShard` objects, each owning one contiguous slice of every fragment
-(``core.shards.shard_bounds``). With K = 1 the driver holds the one shard in its own process;
-with K > 1 the shards are Ray actors (:data:`OuterShardActor`, SPREAD over the nodes): a replica
+(``core.shards.shard_bounds``; ``runtime.outer_shards``). With K = 1 the driver holds the one
+shard in its own process; with K > 1 the shards are Ray actors on the replicas' nodes: a replica
 sends K object references, the driver hands each to its shard unresolved (the bytes go from the
 replica's node to the shard's node, never through the driver), the driver alone decides the
 round (members, quorum, timeouts, who is included, in which order), every shard steps its slice
@@ -42,9 +42,18 @@ with the same ordered terms, and the reply is the K shards' slices. Every operat
 element-wise over aligned slices, so globals are bitwise the same for every K (the per-round
 norms in the stats are combined from the slices' norms: equal to K = 1's up to rounding).
 A pseudo-gradient counts for its round once every shard has checked it (a malformed one changes
-nothing); one still being checked when the round times out is late. If a shard's step fails
-while the others' succeed, the shards are out of step: :meth:`OuterDriver.ping` raises from then
-on and the trainer stops the run (resume from the last checkpoint).
+nothing); one still being checked when the round times out is late.
+
+A shard lost with its process or node (K > 1, ``diloco.outer_shard_backup``): :class:`_Recovery`
+rebuilds it from the copy its ring neighbour keeps (``runtime.outer_shards``), checks the open
+rounds' pseudo-gradients again on it (a round keeps its arrivals' references until it is
+stepped) and takes again the steps the copy had missed (kept with their references until every
+copy holds them); calls that met the dead shard are made again. No outer step is lost or applied
+twice, and the rebuilt shard holds the dead one's bits. A pseudo-gradient lost with its sender's
+node counts as that sender's death. When a shard cannot be rebuilt (copies off, a shard and its
+keeper lost together), or a shard's step fails while the others' succeed, the shards are out of
+step: :meth:`OuterDriver.ping` raises from then on and the trainer stops the run (resume from
+the last checkpoint).
 """
 
 from __future__ import annotations
@@ -103,6 +112,7 @@ class _Round:
     parts: dict[int, list[Any]] = field(default_factory=dict)  # valid ones' K parts, kept to rebuild a shard
     stepping: bool = False  # its outer step was sent to the shards
     stepped: bool = False  # every shard took it
+    lost: dict[int, set[int]] = field(default_factory=dict)  # rebuilt shard -> replicas whose part died
 
 
 @dataclass
@@ -222,11 +232,51 @@ class _Recovery:
                 raise o
         return outs
 
+    async def check(self, fragment: int, step: int, replica: int, parts: list[Any]) -> list[Any] | None:
+        """Every shard's check of its part of ``replica``'s pseudo-gradient (``OuterShard.check``;
+        a shard rebuilt meanwhile checks again). None when the parts died with their sender's node
+        (a ``lost`` event: as the sender's death); nothing is kept after an error.
+
+        Raises:
+            ValueError: a malformed part (the first error of the checks)."""
+        checks = await self.call("check", [(fragment, step, replica, [p]) for p in parts])
+        errors = [c for c in checks if isinstance(c, BaseException)]
+        if not errors:
+            return checks
+        await self.all("discard", fragment, step, replica)  # every check has finished: nothing kept after it
+        if all(_object_lost(e) for e in errors):
+            self.d._event("lost", replica, fragment=fragment, step=step, reason="pseudo-gradient lost")
+            return None
+        raise errors[0]
+
+    async def step_all(self, fragment: int, step: int, terms: list[tuple[int, float]], r: _Round) -> list[Any]:
+        """Every shard's outer step of round ``r`` (``OuterShard.step``: outputs or errors, in shard
+        order). A shard lost meanwhile is rebuilt (at the version before this step, the round's
+        pseudo-gradients checked again) and takes the step then (:func:`_partial` when some of its
+        part died with it)."""
+        d = self.d
+        args = [(fragment, step, terms, r.average_only)] * d.shards.k
+        await self.idle()
+        r.stepping = True
+        outs = await d.shards.each("step", args)
+        lost = [o for o in outs if isinstance(o, ShardLost)]
+        if lost:
+            await self.recover(lost)
+            args = [(fragment, step, _partial(d, i, fragment, step, terms, r.lost.get(i, set())), r.average_only)
+                    for i in range(d.shards.k)]  # fmt: skip
+            again = await d.shards.each("step", args, [o.shard for o in lost])
+            for o in lost:
+                outs[o.shard] = again[o.shard]
+        return outs
+
     def after_step(self, fragment: int, stepped: _Stepped, replies: list[Any]) -> None:
         """Send the copies of a step's new slice states to the buddies in the background (the
         round's replies do not wait for them; with ``none`` the global values are the replies,
         ``replies``: one per shard). The step (and its pseudo-gradients' references) is kept
-        until every buddy holds its version or a newer one (:meth:`settle` bounds the lag)."""
+        until every buddy holds its version or a newer one (:meth:`settle` bounds the lag).
+        Nothing without copies (K = 1 or ``diloco.outer_shard_backup`` off)."""
+        if not self.enabled:
+            return
         self.unbacked.setdefault(fragment, []).append(stepped)
         plain = self.d.cfg.streaming.quantization == "none"
 
@@ -287,10 +337,12 @@ class _Recovery:
 
     async def _recheck(self, i: int) -> None:
         """The open rounds' kept pseudo-gradients checked again on the new shard ``i``. A part whose
-        object died (its sender's node) leaves its replica out of a round not yet stepped.
+        object died (its sender died with the shard's node) leaves its replica out of a round not
+        yet stepped; in a round whose step the other shards already took, it is left out of shard
+        ``i``'s slice only (:func:`_partial`).
 
         Raises:
-            RuntimeError: a part of a round being stepped is gone."""
+            RuntimeError: a part could not be checked for another reason."""
         d = self.d
         for (f, s), r in list(d.rounds.items()):
             if r.stepped:
@@ -298,8 +350,11 @@ class _Recovery:
             for m, parts in sorted(r.parts.items()):
                 out = (await d.shards.each("check", [(f, s, m, [parts[i]])] * d.shards.k, [i]))[i]
                 if isinstance(out, BaseException):
-                    if r.stepping or not _object_lost(out):
+                    if not _object_lost(out):
                         raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f}: {out}")
+                    if r.stepping:
+                        r.lost.setdefault(i, set()).add(m)
+                        continue
                     r.weights.pop(m, None), r.norms.pop(m, None), r.parts.pop(m, None)
                     d._event("lost", m, fragment=f, step=s, reason="its pseudo-gradient died with its node")
 
@@ -322,17 +377,34 @@ class _Recovery:
 
     async def _take_again(self, i: int, f: int, u: _Stepped) -> None:
         """Step ``u`` of fragment ``f`` on shard ``i`` again (its pseudo-gradients checked again)."""
-        d = self.d
+        d, lost = self.d, set()
         for m, parts in sorted(u.parts.items()):
             out = (await d.shards.each("check", [(f, u.step, m, [parts[i]])] * d.shards.k, [i]))[i]
             if isinstance(out, BaseException):
-                raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
-        out = (await d.shards.each("step", [(f, u.step, u.terms, u.average_only)] * d.shards.k, [i]))[i]
+                if not _object_lost(out):
+                    raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
+                lost.add(m)
+        terms = _partial(d, i, f, u.step, u.terms, lost)
+        out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
         if isinstance(out, BaseException) or out[3] != u.version:
             raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
         rec = d.finished.get((f, u.step))
         if rec is not None and isinstance(rec.message, list):  # later receivers fetch the new slice
             rec.message[i] = out[0]
+
+
+def _partial(d: OuterDriver, i: int, f: int, step: int, terms: list[tuple[int, float]],
+             lost: set[int]) -> list[tuple[int, float]]:  # fmt: skip
+    """The terms rebuilt shard ``i`` steps its slice of a round with when the other shards took the
+    round's step already and some of its pseudo-gradients died with the dead shard's node (their
+    senders died with it): the others, as their weights stand. The slice's mean then leaves those
+    replicas out (as a round that went on without them); every receiver still gets the same reply.
+    Recorded as a ``partial_round`` event."""
+    if not lost:
+        return terms
+    d._event("partial_round", None, fragment=f, step=step, shard=i, left_out=sorted(lost))
+    kept = [(m, w) for m, w in terms if m not in lost]
+    return kept if kept else [(m, 0.0) for m, _ in terms]  # nothing left: an empty mean (no move)
 
 
 class _DriverReads:
@@ -746,16 +818,7 @@ class OuterDriver(_DriverReads):
         order = sorted(r.weights)
         if len(order) >= self.quorum and sum(r.weights.values()) > 0:
             terms = [(m, r.weights[m]) for m in order]
-            args = [(fragment, step, terms, r.average_only)] * self.shards.k
-            await self.recovery.idle()
-            r.stepping = True
-            outs = await self.shards.each("step", args)
-            lost = [o for o in outs if isinstance(o, ShardLost)]
-            if lost:  # rebuilt at the version before this step, with this round's parts checked again
-                await self.recovery.recover(lost)
-                again = await self.shards.each("step", args, [o.shard for o in lost])
-                for o in lost:
-                    outs[o.shard] = again[o.shard]
+            outs = await self.recovery.step_all(fragment, step, terms, r)
             errors = [o for o in outs if isinstance(o, BaseException)]
             if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
                 self._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
@@ -770,21 +833,17 @@ class OuterDriver(_DriverReads):
                                "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})  # fmt: skip
             message = refs[0] if len(refs) == 1 else refs
             r.stepped = True
-            if self.recovery.enabled:
-                stepped = _Stepped(step, terms, dict(r.parts), r.average_only, outs[0][3])
-                self.recovery.after_step(fragment, stepped, refs)
+            self.recovery.after_step(fragment, _Stepped(step, terms, dict(r.parts), r.average_only, outs[0][3]), refs)
             return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
         await self.recovery.all("discard", fragment, step)
         self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
                     cause="timeout" if self._expected(step) - r.arrived else "complete")  # fmt: skip
         return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
 
-    def _timeout_of(self, fragment: int) -> float:
-        assert self.numels is not None  # init_global first
-        return self.timeout_s + transfer_allowance_s(message_nbytes(self.numels[fragment], "none"))
-
     async def _wait(self, fragment: int, step: int, r: _Round) -> None:
-        remaining = r.opened + self._timeout_of(fragment) - time.monotonic()
+        assert self.numels is not None  # init_global first
+        timeout = self.timeout_s + transfer_allowance_s(message_nbytes(self.numels[fragment], "none"))
+        remaining = r.opened + timeout - time.monotonic()
         try:
             await asyncio.wait_for(asyncio.shield(r.done.wait()), timeout=max(0.0, remaining))
         except asyncio.TimeoutError:
@@ -855,16 +914,11 @@ class OuterDriver(_DriverReads):
             assert parts is not None  # valid
             self._checking.add(key)
             try:
-                checks = await self.recovery.call("check", [(fragment, step, replica, [p]) for p in parts])
+                checks = await self.recovery.check(fragment, step, replica, parts)
             finally:
                 self._checking.discard(key)
-            errors = [c for c in checks if isinstance(c, BaseException)]
-            if errors:  # every shard's check has finished: nothing is kept after this discard
-                await self.recovery.all("discard", fragment, step, replica)
-                if all(_object_lost(e) for e in errors):  # it died with its node: as its death, no error
-                    self._event("lost", replica, fragment=fragment, step=step, reason="pseudo-gradient lost")
-                    return Reply(DROPPED, self.versions[fragment])
-                raise errors[0]
+            if checks is None:  # it died with its sender's node: as its death, no error
+                return Reply(DROPPED, self.versions[fragment])
             norms, size = [c[0] for c in checks], sum(c[1] for c in checks)
             if replica not in self.members or self._is_closed(fragment, step):  # closed while it was checked
                 await self.recovery.all("discard", fragment, step, replica)
@@ -881,8 +935,7 @@ class OuterDriver(_DriverReads):
         else:
             r.weights[replica] = float(weight)
             r.norms[replica] = _combine_norms(cast(list[float], norms))  # none is None here
-            if self.recovery.enabled:  # kept (the replica owns the objects) to rebuild a lost shard
-                r.parts[replica] = cast(list[Any], parts)
+            r.parts[replica] = cast(list[Any], parts)  # its references, to rebuild a lost shard (until stepped)
         del parts
         self._maybe_finish(fragment, step)
         if not r.done.is_set():

@@ -344,26 +344,25 @@ class OuterShard:
         Returns ``{"versions": [per fragment], "node": node id}``.
 
         Raises:
-            RuntimeError: already set."""
+            RuntimeError: already set. LookupError: the copy lacks fragments."""
+        await self._maths(self._restore, backup)
+        return {"versions": list(self.versions), "node": ray.get_runtime_context().get_node_id()}
+
+    def _restore(self, backup: dict[int, dict[str, Any]]) -> None:
         if self.opt is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
         if sorted(backup) != list(range(len(backup))):
             raise LookupError(f"the copy of outer shard {self.shard} lacks fragments (holds {sorted(backup)})")
         entries = [backup[f] for f in sorted(backup)]
-
-        def load() -> None:
-            self._set_slices([int(e["numel"]) for e in entries], [e["global"] for e in entries])
-            assert self.opt is not None  # set just now
-            for f, e in enumerate(entries):
-                opt = e["optimizer"]
-                state = {k: {n: _as_tensor(v) for n, v in st.items()} for k, st in opt["state"].items()}
-                self.opt.opts[f].load_state_dict({"state": state, "param_groups": opt["param_groups"]})
-                self.opt.steps[f] = int(e["steps"])
-                self.versions[f] = int(e["version"])
-            self.downlink.load_state_dict([e["residual"] for e in entries])
-
-        await self._maths(load)
-        return {"versions": list(self.versions), "node": ray.get_runtime_context().get_node_id()}
+        self._set_slices([int(e["numel"]) for e in entries], [e["global"] for e in entries])
+        assert self.opt is not None  # set just now
+        for f, e in enumerate(entries):
+            opt = e["optimizer"]
+            state = {k: {n: _as_tensor(v) for n, v in st.items()} for k, st in opt["state"].items()}
+            self.opt.opts[f].load_state_dict({"state": state, "param_groups": opt["param_groups"]})
+            self.opt.steps[f] = int(e["steps"])
+            self.versions[f] = int(e["version"])
+        self.downlink.load_state_dict([e["residual"] for e in entries])
 
 
 #: A shard as a Ray actor (K > 1). No CPU reserved (like the driver): its maths sets its own threads.

@@ -201,14 +201,22 @@ class _Watchdog:
         """Send a ping when none is in flight; raise when one has gone unanswered too long.
 
         Raises:
-            ClusterError: no answer for ``timeout_s`` seconds.
+            ClusterError: no answer for ``timeout_s`` seconds, or the answer is an error (the driver
+                died, or its outer state cannot go on: a lost shard that could not be rebuilt).
         """
         import ray
 
         if self.ping is None:
             self.ping, self.sent = self.sync.ping(), time.monotonic()
         elif ray.wait([self.ping], timeout=0)[0]:
-            self.ping = None
+            ping, self.ping = self.ping, None
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayError as e:
+                raise ClusterError(
+                    f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: {error_cause(e)} "
+                    "(resume the run with --resume RUN_DIR: it restarts from the last checkpoint)"
+                ) from None
         elif time.monotonic() - self.sent > self.timeout_s:
             raise ClusterError(
                 f"the outer-optimiser driver has not answered for {self.timeout_s:g} s "
