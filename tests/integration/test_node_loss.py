@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent("""
     def step(k):
         row = t.outer_step(k)
         out["steps"].append(row["outer_step"])
-        out.setdefault("events", []).extend([row["outer_step"], e["event"], e.get("replica")]
+        out.setdefault("events", []).extend([row["outer_step"], e["event"], e.get("replica"), e.get("slot")]
                                             for e in row.get("events", []))
         out["hashes_agree"] = out.get("hashes_agree", True) and set(row["worker_global_sha256"]) <= {row["global_sha256"]}
         return row
@@ -152,7 +152,9 @@ def test_nodes_holding_replicas_and_outer_shards_die_mid_round_and_during_a_chec
     print(r)
     assert r["driver_on_head"] and r["killed_inside_step"] and r["landed_in_checkpoint"] == [True], r
     assert r["steps"] == list(range(1, 17)) and r["hashes_agree"], r
-    events = [tuple(e) for e in r["events"]]
+    events = [tuple(e[:3]) for e in r["events"]]
+    # each promoted spare reads on from the dead replica's data slot (slot = the first replicas' ids)
+    assert sorted(e[3] for e in r["events"] if e[1] == "join") == sorted([r["first"], r["second"]]), r["events"]
     assert len([e for e in events if e[1] == "shard_recovered"]) >= 1, events
     assert (3, "death", r["first"]) in events or (4, "death", r["first"]) in events, events
     assert any(e[1] == "death" and e[2] == r["second"] for e in events), events
