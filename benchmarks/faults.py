@@ -119,7 +119,7 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--kill-step", type=int, default=5, help="outer step in which a replica is killed")
     ap.add_argument("--seed", type=int, default=0)
