@@ -434,5 +434,7 @@ def error_cause(e: BaseException) -> str:
     if isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.RayTaskError):
         kind = re.search(r"Worker exit type: (\w+)", str(e))
         return "its worker process died" + (f" ({kind.group(1)})" if kind else "")
+    if isinstance(e, ray.exceptions.ObjectLostError):  # Ray's message ends on the owner's address
+        return f"an object it needed was lost with the process or node that held it ({type(e).__name__})"
     text = str(getattr(e, "cause", None) or e).strip().splitlines()
     return next((ln for ln in reversed(text) if ln.strip()), type(e).__name__)[:300]

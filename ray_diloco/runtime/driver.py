@@ -200,6 +200,19 @@ class _Recovery:
             raise out
         return out
 
+    async def starting(self, call: Awaitable[Any]) -> Any:
+        """Await a start-up call on the shards; a shard that dies then (before any copy of it was
+        kept) stops the run with one message.
+
+        Raises:
+            RuntimeError: a shard died while the run started."""
+        try:
+            return await call
+        except (ShardLost, ray.exceptions.RayActorError) as e:
+            shard = f" {e.shard}" if isinstance(e, ShardLost) else ""
+            self.d._broken = f"outer-optimiser shard{shard} died while the run started, before a copy of it was kept"
+            raise RuntimeError(self.d._broken) from None
+
     async def seed(self) -> None:
         """Every shard's whole state copied to its buddy (after the global parameters are set or
         restored: copies are then sent per outer step)."""
@@ -328,6 +341,10 @@ class _Recovery:
                     if behind:  # steps whose copies went to the dead shard: sent again from the live ones
                         await self._send_copies(behind)
                     self.unbacked.clear()
+                except ShardLost as e:  # its keeper (or the shard it keeps a copy of) died too
+                    d._broken = (f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
+                                 "or whose copy it kept: the outer state is lost")  # fmt: skip
+                    raise RuntimeError(d._broken) from None
                 except Exception as e:
                     d._broken = f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
                     raise RuntimeError(d._broken) from None
@@ -430,9 +447,9 @@ class _DriverReads:
         """Wait for the shard actors' initialisation (every caller awaits the same calls) and their
         first copies to their buddies."""
         if self._pending_init:
-            await asyncio.gather(*self._pending_init)
+            await self.recovery.starting(asyncio.gather(*self._pending_init))
         if self.recovery.enabled and not self.recovery.seeded and self.numels is not None:
-            await self.recovery.seed()
+            await self.recovery.starting(self.recovery.seed())
 
     async def ping(self) -> int:
         """The driver's process id (the trainer's liveness check; answered during an outer step).
@@ -707,7 +724,7 @@ class OuterDriver(_DriverReads):
         """
         if self.numels is not None:
             raise RuntimeError("the outer driver's global parameters are already set")
-        numels = await self.shards.all("init_global", list(initial))
+        numels = await self.recovery.starting(self.shards.all("init_global", list(initial)))
         self._set_numels(numels[0])
 
     def _set_numels(self, numels: list[int]) -> None:

@@ -294,7 +294,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         cause = getattr(e, "cause", None)
         if isinstance(cause, RayDilocoError):  # a worker's own one-line error
             raise cause from None
-        raise ClusterError(f"a replica worker or the outer-optimiser driver failed: {error_cause(e)}") from None
+        raise ClusterError(
+            f"a replica worker or the outer-optimiser driver failed: {error_cause(e)} ({_resume_hint(run_dir)})"
+        ) from None
     finally:
         with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
             if tracker is not None:
@@ -451,3 +453,16 @@ def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | No
 
 
 __all__ = ["train", "prepare", "ResolvedRun"]
+
+
+def _resume_hint(run_dir: Path) -> str:
+    """How to go on after a run stopped: resume from its newest checkpoint, or start again."""
+    from ray_diloco.components.checkpoint import list_checkpoints
+
+    try:
+        found = bool(list_checkpoints(run_dir))
+    except Exception:  # an unreadable checkpoint directory: the resume says why
+        found = True
+    if found:
+        return f"ray-diloco train --resume {run_dir} continues from its last checkpoint"
+    return "it wrote no checkpoint yet: start it again"
