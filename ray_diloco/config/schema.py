@@ -226,7 +226,7 @@ class DiLoCoConfig:
     outer_shards: int = 1
     """K, outer-optimiser shards: every fragment's flat parameters split into K contiguous slices
     (``core.shards.shard_bounds``), each owned by one shard actor with its own outer-optimiser state,
-    placed with a SPREAD strategy, so the exchange's bytes spread over K nodes' links (K = replica
+    placed round-robin on the replicas' nodes, so the exchange's bytes spread over K nodes' links (K = replica
     nodes: each node sends and receives about a ring all-reduce's bytes). 1: the driver itself holds
     the global parameters. Results are bitwise the same for every K (SGD/Nesterov)."""
     outer_shard_backup: bool = True
