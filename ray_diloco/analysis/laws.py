@@ -1,5 +1,5 @@
-"""Scaling laws for DiLoCo (Charles et al., "Scaling Laws for DiLoCo", sections 3-5; algorithms.md
-section 3): fits on a sweep's results, model selection, and predictions for a bigger model.
+"""Scaling laws for DiLoCo (Charles et al., "Scaling Laws for DiLoCo", arXiv 2503.09799, sections
+3-5): fits on a sweep's results, model selection, and predictions for a bigger model.
 
 Every fit uses scipy; nothing here is a hand-written optimiser:
 
@@ -79,7 +79,7 @@ class JointLaw:
         return {"A": self.A, "alpha": self.alpha, "beta": self.beta}
 
 
-# -- the paper's published numbers (algorithms.md section 3) --------------------------------------
+# -- the paper's published numbers (arXiv 2503.09799, section 3) -----------------------------------
 PAPER_SIZES = {"35M": 35e6, "90M": 90e6, "180M": 180e6, "335M": 335e6, "550M": 550e6, "1.3B": 1.3e9, "2.4B": 2.4e9}
 PAPER_LOSSES = {  # Scaling Laws for DiLoCo Table 4: C4 eval loss per model size; 0 = DP
     0: (3.485, 3.167, 2.950, 2.784, 2.653, 2.460, 2.326),

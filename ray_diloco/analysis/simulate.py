@@ -1,6 +1,6 @@
 """Compute-utilisation simulator: how much bandwidth DP, DiLoCo and Streaming DiLoCo need
-(Streaming DiLoCo, arXiv 2501.18512, section 3.5 and Table 4; Scaling Laws for DiLoCo, Appendix A
-and Table 6; algorithms.md sections 2 and 3).
+(Streaming DiLoCo, arXiv 2501.18512, section 3.5 and Table 4; Scaling Laws for DiLoCo, arXiv
+2503.09799, Appendix A and Table 6).
 
 The model, one training step of a model with ``layers`` blocks and ``step_s`` seconds of compute
 (forward 1/3 of it, backward 2/3, from 6 x N x tokens FLOPs at the chip speed and MFU):

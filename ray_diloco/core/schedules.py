@@ -1,8 +1,8 @@
 """Pure functions of the global step: the inner learning rate and the outer-step plan.
 
 Everything here depends only on the step and the config, so every replica, a joiner and a
-resumed run agree without communicating (algorithms.md section 4: "schedule must follow the
-global step").
+resumed run agree without communicating (a restart or a join must not run the inner lr
+warmup again: the schedule follows the global step).
 """
 
 from __future__ import annotations

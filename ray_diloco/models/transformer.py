@@ -4,8 +4,8 @@ Families: ``gpt2`` (nanoGPT's GPT: learned positions, LayerNorm, GELU MLP), ``ll
 RoPE, SwiGLU) and ``qwen3`` (llama plus QK-norm, as in the Scaling Laws for DiLoCo paper,
 section 3). Presets: ``tiny`` (char-level, nanoGPT's CPU "baby GPT": its family and shape, so
 the default run compares directly with nanoGPT and torchft on the same text), small CPU sizes,
-and the scaling-law paper's sizes 35M ... 10B (algorithms.md section 3 table: layers, heads,
-d_model, FFN).
+and the scaling-law paper's sizes 35M ... 10B (Scaling Laws for DiLoCo, arXiv 2503.09799,
+section 3: layers, heads, d_model, FFN).
 
 A Python user may pass any ``model_fn(shape: dict, vocab_size: int) -> torch.nn.Module`` whose
 ``forward(input_ids)`` returns logits ``[batch, seq, vocab]`` (or an object with ``.logits``).

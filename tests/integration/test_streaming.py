@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (algorithms.md section 2): fragments, the sync schedule, the wire protocol,
+"""Streaming DiLoCo (arXiv 2501.18512, section 2): fragments, the sync schedule, the wire protocol,
 and exact numerics of overlapped, quantised syncs on a real local Ray."""
 
 from __future__ import annotations

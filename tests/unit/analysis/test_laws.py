@@ -1,5 +1,5 @@
 """Scaling-law fits (ray_diloco.analysis.laws) against the published tables of "Scaling Laws for DiLoCo"
-(algorithms.md section 3), a synthetic sweep with known optima, and the fit/predict CLI."""
+(arXiv 2503.09799, section 3), a synthetic sweep with known optima, and the fit/predict CLI."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def test_form_jacobians_match_finite_differences():
 
 
 def test_predictions_from_the_papers_fits_match_its_4b_and_10b_runs():
-    """The paper trained 4B and 10B models with predicted hyperparameters (algorithms.md section 3).
+    """The paper trained 4B and 10B models with predicted hyperparameters (arXiv 2503.09799, section 3).
     Our loss predictions from its own table (35M-2.4B) land within 1% of what it measured at 4B;
     at 10B, 4x past the largest size fitted, within 3.5% (DP's pure power law, with no
     irreducible term, is the most optimistic: 2.021 against 2.090)."""

@@ -1,5 +1,5 @@
 """The compute-utilisation simulator (ray_diloco.analysis.simulate) against the papers' bandwidth tables
-(algorithms.md sections 2 and 3), its exact arithmetic on small cases, and the CLI."""
+(arXiv 2501.18512 section 3.5, arXiv 2503.09799 Appendix A), its exact arithmetic on small cases, and the CLI."""
 
 from __future__ import annotations
 
