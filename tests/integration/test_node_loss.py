@@ -74,14 +74,20 @@ SCRIPT = textwrap.dedent("""
         out["first"] = first
 
         # 1. mid-round: the node of a live replica and a shard, once a sync round of step 3 is open
+        # (a killer that never saw its moment gives up when the step is over: the asserts say so)
+        over = threading.Event()
+
         def in_round():
             while ray.get(t.driver.pending_rounds.remote()) == 0:
+                if over.is_set():
+                    return
                 time.sleep(0.002)
             remove(node)
 
         killer = threading.Thread(target=in_round)
         killer.start()
         row = step(3)
+        over.set()
         killer.join()
         out["killed_inside_step"] = f"replica_{first}" not in row["train_loss_replica"]
         new = cluster.add_node(num_cpus=1)  # a new node: the next spare starts there
@@ -98,8 +104,12 @@ SCRIPT = textwrap.dedent("""
         node = node_of(second.rank0)
         landed = []
 
+        over = threading.Event()
+
         def in_checkpoint():
             while not glob.glob(str(t.run_dir / "checkpoints" / ".tmp-step_*")):
+                if over.is_set():
+                    return
                 time.sleep(0.001)
             remove(node)
             landed.append(bool(glob.glob(str(t.run_dir / "checkpoints" / ".tmp-step_*"))))
@@ -111,6 +121,7 @@ SCRIPT = textwrap.dedent("""
             out["checkpoint_during_loss"] = "written"
         except CheckpointError as e:
             out["checkpoint_during_loss"] = f"failed: {e}"
+        over.set()
         killer.join()
         out["landed_in_checkpoint"] = landed
         for k in range(7, 13):
