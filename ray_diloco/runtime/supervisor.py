@@ -195,7 +195,7 @@ class _Watchdog:
     def __init__(self, sync: SyncStrategy, timeout_s: float):
         self.sync, self.timeout_s = sync, timeout_s
         self.ping: Any = None
-        self.sent = time.monotonic()
+        self.sent = self.answered = time.monotonic()
 
     def check(self) -> None:
         """Send a ping when none is in flight; raise when one has gone unanswered too long.
@@ -212,6 +212,14 @@ class _Watchdog:
             ping, self.ping = self.ping, None
             try:
                 ray.get(ping)
+                self.answered = time.monotonic()
+            except ray.exceptions.ActorUnavailableError:  # transient (a network blip), up to the timeout
+                if time.monotonic() - self.answered > self.timeout_s:
+                    raise ClusterError(
+                        f"the outer-optimiser driver has been unreachable for {self.timeout_s:g} s "
+                        "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
+                        "last checkpoint"
+                    ) from None
             except ray.exceptions.RayError as e:
                 raise ClusterError(
                     f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: {error_cause(e)} "
