@@ -424,6 +424,14 @@ def all_workers(replicas: list[Replica]) -> list[Any]:
     return [w for r in replicas for w in r.workers]
 
 
+def outer_side_failed(what: str) -> ClusterError:
+    """The one line that stops a run whose outer-optimiser side (the driver or one of its shard
+    actors) failed or stopped answering; ``what`` says how (after "the outer-optimiser driver")."""
+    return ClusterError(
+        f"the outer-optimiser driver {what} (resume the run with --resume RUN_DIR: it restarts from the last checkpoint)"
+    )
+
+
 def error_cause(e: BaseException) -> str:
     """The last non-empty line of a Ray error's cause (at most 300 characters), for one-line
     messages; an actor's death is said in a few words (its exit type, from Ray's message)."""

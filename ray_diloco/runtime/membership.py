@@ -32,7 +32,14 @@ from typing import Any
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import ModelFn
-from ray_diloco.runtime.cluster import Replica, ReplicaLaunch, error_cause, launch_replica, stop_replicas
+from ray_diloco.runtime.cluster import (
+    Replica,
+    ReplicaLaunch,
+    error_cause,
+    launch_replica,
+    outer_side_failed,
+    stop_replicas,
+)
 
 #: The file in a run directory that ``ray-diloco scale`` writes and a running trainer reads
 #: at every outer-step boundary: ``{"replicas": N}``.
@@ -253,11 +260,7 @@ class Membership:
         try:  # first the driver: when it is the one that died, the replicas are not to blame
             ray.get(self.driver.ping.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as e:
-            raise ClusterError(
-                f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: "
-                f"{error_cause(e)} (resume the run with --resume RUN_DIR: it restarts from the "
-                "last checkpoint)"
-            ) from None
+            raise outer_side_failed(f"(or one of its diloco.outer_shards actors) failed: {error_cause(e)}") from None
         self.live.remove(r)
         stop_replicas([r])
         ray.get(self.driver.remove_member.remote(r.index, reason, kind))

@@ -19,7 +19,7 @@ from typing import Any
 
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError
-from ray_diloco.runtime.cluster import Replica, all_workers, error_cause
+from ray_diloco.runtime.cluster import Replica, all_workers, error_cause, outer_side_failed
 from ray_diloco.runtime.membership import Membership, read_scale
 from ray_diloco.runtime.strategy import SyncStrategy
 
@@ -215,19 +215,12 @@ class _Watchdog:
                 self.answered = time.monotonic()
             except ray.exceptions.ActorUnavailableError:  # transient (a network blip), up to the timeout
                 if time.monotonic() - self.answered > self.timeout_s:
-                    raise ClusterError(
-                        f"the outer-optimiser driver has been unreachable for {self.timeout_s:g} s "
-                        "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
-                        "last checkpoint"
+                    raise outer_side_failed(
+                        f"has been unreachable for {self.timeout_s:g} s (diloco.sync_timeout_s)"
                     ) from None
             except ray.exceptions.RayError as e:
-                raise ClusterError(
-                    f"the outer-optimiser driver (or one of its diloco.outer_shards actors) failed: {error_cause(e)} "
-                    "(resume the run with --resume RUN_DIR: it restarts from the last checkpoint)"
+                raise outer_side_failed(
+                    f"(or one of its diloco.outer_shards actors) failed: {error_cause(e)}"
                 ) from None
         elif time.monotonic() - self.sent > self.timeout_s:
-            raise ClusterError(
-                f"the outer-optimiser driver has not answered for {self.timeout_s:g} s "
-                "(diloco.sync_timeout_s); resume the run with --resume RUN_DIR: it restarts from the "
-                "last checkpoint"
-            )
+            raise outer_side_failed(f"has not answered for {self.timeout_s:g} s (diloco.sync_timeout_s)")
