@@ -1,7 +1,7 @@
 """The shard layout of the outer exchange, designed once for every sharded part (issue 14).
 
 A fragment's flat fp32 parameters ``[numel_p]`` are split into K contiguous slices; slice k is
-owned by outer-optimiser shard k (``runtime.driver.OuterShard``), which holds those global
+owned by outer-optimiser shard k (``runtime.outer_shards.OuterShard``), which holds those global
 values and their outer-optimiser state, receives every replica's pseudo-gradient of that slice
 and sends back that slice of the reply. Each node then moves about ``2 U (M-1)/M`` per outer step
 when the K shards sit on the M replica nodes: a ring all-reduce's bytes (Streaming DiLoCo,

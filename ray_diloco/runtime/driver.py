@@ -32,7 +32,7 @@ step. Open rounds close within the timeout (plus ``core.wire.transfer_allowance_
 fragment's bytes), and at most :data:`KEEP_FINISHED` finished round per fragment is kept.
 
 Sharding (``diloco.outer_shards`` K): the maths and the state of the global parameters live in
-:class:`OuterShard` objects, each owning one contiguous slice of every fragment
+``runtime.outer_shards.OuterShard`` objects, each owning one contiguous slice of every fragment
 (``core.shards.shard_bounds``; ``runtime.outer_shards``). With K = 1 the driver holds the one
 shard in its own process; with K > 1 the shards are Ray actors on the replicas' nodes: a replica
 sends K object references, the driver hands each to its shard unresolved (the bytes go from the
@@ -76,9 +76,9 @@ from ray_diloco.core.outer import outer_state_hash
 from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.shards import join_optimizer_states, shard_bounds
 from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply, transfer_allowance_s
-from ray_diloco.runtime.outer_shards import OuterShard, ShardGroup, ShardLost, _rss_bytes
+from ray_diloco.runtime.outer_shards import ShardGroup, ShardLost, _rss_bytes
 
-__all__ = ["OuterDriver", "OuterDriverActor", "OuterShard"]
+__all__ = ["OuterDriver", "OuterDriverActor"]
 
 #: Finished rounds kept per fragment for receivers that ask late (older ones get a resync).
 KEEP_FINISHED = 1
@@ -156,7 +156,6 @@ class _Recovery:
         self.unbacked: dict[int, list[_Stepped]] = {}  # fragment -> its steps not yet in every copy, oldest first
         self.keeping: dict[int, list[asyncio.Future]] = {}  # fragment -> copies being sent, oldest first
         self.seeded = False
-        self.recovered = 0
 
     async def idle(self) -> None:
         """Wait for a rebuild in progress (an outer step is not sent to a shard being rebuilt)."""
@@ -225,11 +224,7 @@ class _Recovery:
     async def _send_copies(self, fragments: list[int] | None) -> None:
         """Each shard's slice state of ``fragments`` (None: all) copied to its buddy (no rebuild on
         the way: the caller holds the lock)."""
-        refs = await self.d.shards.each("backup_all", [(fragments,)] * self.d.shards.k)
-        for o in refs:
-            if isinstance(o, BaseException):
-                raise o
-        await self.all_keep(refs)
+        await self.all_keep(await self.d.shards.each("backup_all", [(fragments,)] * self.d.shards.k))
 
     async def all_keep(self, refs: list[Any], values: list[Any] | None = None) -> list[Any]:
         """Shard ``b`` keeps ``refs[(b - 1) % K]`` (each shard's copy goes to its buddy; with
@@ -348,7 +343,6 @@ class _Recovery:
                 except Exception as e:
                     d._broken = f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
                     raise RuntimeError(d._broken) from None
-                self.recovered += 1
                 d._event("shard_recovered", None, shard=i, node=info["node"][:12],
                          seconds=round(info["seconds"], 2), redone=redone)  # fmt: skip
 

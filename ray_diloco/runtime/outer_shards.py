@@ -89,7 +89,6 @@ class OuterShard:
         self.opt: OuterOptimizer | None = None
         self.bounds: list[slice] = []
         self.pending: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # checked, not yet summed
-        self.backup = self.shards > 1 and self.cfg.diloco.outer_shard_backup  # put a copy after each step
         self.held: dict[int, dict[int, dict[str, Any]]] = {}  # the copies this shard keeps: {shard: {fragment: ..}}
         self._held_lock = threading.Lock()
         torch.set_num_threads(_maths_threads())
