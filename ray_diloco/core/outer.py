@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from ray_diloco.config import OuterConfig
+from ray_diloco.core import codec
+from ray_diloco.core.quantize import Packed
 from ray_diloco.core.wire import as_tensor
 
 
@@ -79,23 +81,27 @@ class OrderedMean:
 
     def __init__(self, numel: int):
         self.numel = numel
-        self.terms: list[tuple[np.ndarray, float]] = []
+        self.terms: list[tuple[np.ndarray | Packed, float]] = []
         self.total = 0.0
+        self._decoded: torch.Tensor | None = None  # one chunk of a packed term, decoded
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the terms held."""
+        """Bytes of the terms held (a packed term: its encoded bytes)."""
         return sum(d.nbytes for d, _ in self.terms)
 
-    def add(self, delta: np.ndarray, weight: float) -> None:
-        """Add fp32 ``delta`` ``[numel]`` (kept by reference, never written) with ``weight`` > 0.
+    def add(self, delta: np.ndarray | Packed, weight: float) -> None:
+        """Add fp32 ``delta`` ``[numel]`` (kept by reference, never written), or a pseudo-gradient
+        still encoded in a scaled format (``core.quantize.Packed``: decoded a chunk at a time
+        when summed, the same values as decoding it whole), with ``weight`` > 0.
 
         Raises:
             ValueError: wrong size or non-positive weight.
         """
-        d = np.asarray(delta, dtype=np.float32).reshape(-1)
-        if d.size != self.numel:
-            raise ValueError(f"pseudo-gradient has {d.size} values, expected {self.numel}")
+        d = delta if isinstance(delta, Packed) else np.asarray(delta, dtype=np.float32).reshape(-1)
+        size = d.numel if isinstance(d, Packed) else d.size
+        if size != self.numel:
+            raise ValueError(f"pseudo-gradient has {size} values, expected {self.numel}")
         if not weight > 0:
             raise ValueError(f"weight {weight} must be > 0")
         self.terms.append((d, float(weight)))
@@ -103,10 +109,19 @@ class OrderedMean:
 
     def chunk(self, sl: slice, out: torch.Tensor) -> torch.Tensor:
         """The mean's values ``[sl]``, written into the start of ``out`` (fp32, at least that many
-        values) and returned: ``0 + sum_i d_i[sl] * (w_i / W)`` in the order added."""
-        a = out[: sl.stop - sl.start].zero_()
+        values) and returned: ``0 + sum_i d_i[sl] * (w_i / W)`` in the order added (``sl`` starts
+        at a multiple of ``core.codec.BLOCK`` when a term is packed, as :data:`CHUNK` chunks do)."""
+        n = sl.stop - sl.start
+        a = out[:n].zero_()
         for d, w in self.terms:
-            a.add_(as_tensor(d[sl]), alpha=w / self.total)
+            if isinstance(d, Packed):
+                if self._decoded is None or self._decoded.numel() < n:
+                    self._decoded = torch.empty(min(CHUNK, self.numel) if n <= CHUNK else n, dtype=torch.float32)
+                part = self._decoded[:n]
+                codec.decode_into(d.payload, d.scales, d.format, part.numpy(), start=sl.start)
+                a.add_(part, alpha=w / self.total)
+            else:
+                a.add_(as_tensor(d[sl]), alpha=w / self.total)
         return a
 
     def take(self) -> torch.Tensor:

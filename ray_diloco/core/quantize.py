@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ray_diloco.config.schema import QUANTIZATION_FORMATS
+from ray_diloco.core import codec
 
 BLOCK = 256
 # the config's streaming.quantization choices; a format's id on the wire is its index here
@@ -41,6 +42,7 @@ FORMATS = QUANTIZATION_FORMATS
 _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
+_SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,30 @@ def _scales(blocks: torch.Tensor, max_value: float) -> torch.Tensor:
     return torch.where(absmax > 0, absmax / max_value, torch.ones_like(absmax))
 
 
+def _host(x: torch.Tensor, fmt: str) -> bool:
+    """Whether the fused CPU codec (``core.codec``) encodes or decodes ``x``: a scaled format on
+    the host."""
+    return fmt in _SCALED and x.device.type == "cpu"
+
+
 def encode_tensor(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode fp32 ``x`` (any shape, flattened) in ``fmt`` on its own device (CPU or GPU: the
     same bits): ``(payload, scales)``, uint8 ``[payload bytes]`` and fp32 ``[blocks]`` (empty for
-    the unscaled formats), both on ``x``'s device. Does not check finiteness (:func:`encode` does).
+    the unscaled formats), both on ``x``'s device. A scaled format on the host goes through the
+    fused codec (``core.codec``), elsewhere through :func:`encode_tensor_torch`.
+
+    Raises:
+        ValueError: unknown format; non-finite values (the fused codec checks them).
+    """
+    if _host(x, fmt):
+        payload, scales = codec.encode(x.detach().reshape(-1).float().contiguous().numpy(), fmt)
+        return torch.from_numpy(payload), torch.from_numpy(scales)
+    return encode_tensor_torch(x, fmt)
+
+
+def encode_tensor_torch(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_tensor` in torch operations, on any device (a GPU's codec, and the tests'
+    oracle of ``core.codec``). Does not check finiteness (:func:`encode` does).
 
     Raises:
         ValueError: unknown format.
@@ -126,7 +148,8 @@ def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
         if isinstance(x, torch.Tensor)
         else torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
     )
-    _check_finite(t)
+    if fmt not in _SCALED:  # the fused codec checks as it encodes
+        _check_finite(t)
     payload, scales = encode_tensor(t, fmt)
     return Packed(fmt, t.numel(), payload.numpy(), scales.numpy())
 
@@ -155,7 +178,19 @@ def _fp4_nibbles(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def decode_tensor(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
     """fp32 ``[numel]`` from an encoding's ``payload`` (uint8) and ``scales`` (fp32), on their device
-    (the inverse of :func:`encode_tensor`; a new tensor).
+    (the inverse of :func:`encode_tensor`; a new tensor): the fused codec on the host.
+
+    Raises:
+        ValueError: unknown format."""
+    if _host(payload, fmt):
+        out = torch.empty(numel, dtype=torch.float32)
+        codec.decode_into(payload.numpy(), scales.numpy(), fmt, out.numpy())
+        return out
+    return decode_tensor_torch(payload, scales, numel, fmt)
+
+
+def decode_tensor_torch(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str) -> torch.Tensor:
+    """:func:`decode_tensor` in torch operations, on any device (a GPU's codec, the tests' oracle).
 
     Raises:
         ValueError: unknown format."""
@@ -193,7 +228,6 @@ def decode(p: Packed) -> np.ndarray:
 
 _HEADER = struct.Struct("<4sBQ")  # magic, format id, numel
 _MAGIC = b"RDQ1"
-_SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")
 
 
 def to_message(p: Packed) -> bytes:
@@ -243,17 +277,43 @@ def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = 
     return to_message(Packed(fmt, value.numel(), payload.cpu().numpy(), scales.cpu().numpy())), sent
 
 
+def encode_message(
+    x: torch.Tensor, fmt: str, residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None
+) -> bytes:
+    """The wire message of fp32 ``x`` ``[n]`` (plus ``residual`` ``[n]``, last round's quantisation
+    error, when given), with error feedback: ``new_residual`` (fp32 ``[n]``, when given) receives
+    what the encoding lost, ``(x + residual) - dequantised``, to add to the next round's value
+    (Streaming DiLoCo, arXiv 2501.18512, section 2). On the host a scaled format is one fused pass
+    (``core.codec.encode``: no fp32 temporaries); on a GPU the torch codec (the same bits).
+
+    Raises:
+        ValueError: non-finite values (nothing written to ``new_residual``).
+    """
+    n = x.numel()
+    if _host(x, fmt) and (residual is None or residual.device.type == "cpu"):
+        payload, scales = codec.encode(
+            x.detach().reshape(-1).contiguous().numpy(),
+            fmt,
+            None if residual is None else residual.reshape(-1).contiguous().numpy(),
+            None if new_residual is None else new_residual.reshape(-1).numpy(),
+        )
+        return to_message(Packed(fmt, n, payload, scales))
+    value = x if residual is None else x + residual
+    message, sent = quantize_message(value, fmt)
+    if new_residual is not None:
+        torch.sub(value.reshape(-1), sent, out=new_residual.reshape(-1))
+    return message
+
+
 def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
     """Error feedback: encode ``x + residual`` (fp32 ``[n]``; ``residual`` None: zero) and return
-    ``(message, new residual)``, the new residual being what the encoding lost,
-    ``(x + residual) - dequantised``, to add to the next round's value.
+    ``(message, new residual)`` (:func:`encode_message` into a new tensor on ``x``'s device).
 
     Raises:
         ValueError: non-finite values.
     """
-    value = x if residual is None else x + residual
-    message, sent = quantize_message(value, fmt)
-    return message, value - sent
+    new = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    return encode_message(x, fmt, residual, new), new
 
 
 def message_nbytes(numel: int, fmt: str) -> int:

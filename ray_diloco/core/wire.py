@@ -25,11 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_diloco.core import codec
 from ray_diloco.core.quantize import (
+    Packed,
     decode,
     from_message,
     message_nbytes,
     quantize_message,
+    to_message,
 )
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
@@ -112,6 +115,16 @@ def apply_downlink(
         if values.numel() != old_global.numel():
             raise ValueError(f"downlink has {values.numel()} values, the fragment has {old_global.numel()}")
         return torch.add(old_global, values, out=out)
+    if not is_raw(message) and old_global.device.type == "cpu" and (out is None or out.is_contiguous()):
+        packed = from_message(message)
+        if packed.format in codec.MAX:  # decoded straight into the result (core.codec): no decoded copy
+            if packed.numel != old_global.numel():
+                raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
+            new = torch.empty_like(old_global) if out is None else out
+            if new.data_ptr() != old_global.data_ptr():
+                new.copy_(old_global)
+            codec.decode_into(packed.payload, packed.scales, packed.format, new.reshape(-1).numpy(), accumulate=True)
+            return new
     fmt, decoded = message_values(message)
     if decoded.size != old_global.numel():
         raise ValueError(f"downlink has {decoded.size} values, the fragment has {old_global.numel()}")
@@ -150,13 +163,28 @@ class Downlink:
         if self.fmt == "none":
             raise ValueError("streaming.quantization = 'none': the reply is the global fragment, not an update")
         residual = self.residuals[fragment]
+        p = opt.params[fragment].detach()
+        if self.fmt in codec.MAX and p.device.type == "cpu" and update.device.type == "cpu":  # one fused pass
+            if self.error_feedback and residual is None:
+                residual_out: torch.Tensor | None = torch.empty_like(update)
+            else:
+                residual_out = residual if self.error_feedback else None
+            with torch.no_grad():
+                payload, scales, norm = codec.apply_update(
+                    update.reshape(-1).numpy(),
+                    None if residual is None else residual.numpy(),
+                    p.reshape(-1).numpy(),
+                    self.fmt,
+                    None if residual_out is None else residual_out.numpy(),
+                )
+            self.residuals[fragment] = residual_out
+            return to_message(Packed(self.fmt, update.numel(), payload, scales)), norm
         value = update if residual is None else update + residual
         del update
         message, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
         if self.error_feedback:  # as quantize_with_feedback: what the encoding lost
             self.residuals[fragment] = value - sent
         del value
-        p = opt.params[fragment].detach()
         with torch.no_grad():
             apply_downlink(p, message, out=p, values=sent)
         return message, float(sent.norm())

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import quantize_with_feedback
+from ray_diloco.core.quantize import encode_message
 from ray_diloco.core.shards import exchange_index, shard_bounds
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import SyncBuffers
@@ -236,16 +236,14 @@ class Link:
                 value = held.copy_(value)
             values = value.numpy()
             return [values[sl] for sl in bounds], held
-        if len(bounds) == 1:
-            message, residual = quantize_with_feedback(delta, self.fmt, before)
-            messages = [message]
-        else:
-            messages, residual = [], torch.empty_like(delta)
-            for sl in bounds:
-                message, res = quantize_with_feedback(delta[sl], self.fmt, None if before is None else before[sl])
-                messages.append(message)
-                residual[sl] = res
-        if self.error_feedback:
+        # error feedback: the new residual written by the encoder in the same pass (core.codec); a
+        # new tensor, as the old one is restored when the round drops this message
+        residual = torch.empty_like(delta) if self.error_feedback else None
+        messages = [
+            encode_message(delta[sl], self.fmt, None if before is None else before[sl], residual_slice(residual, sl))
+            for sl in bounds
+        ]
+        if residual is not None:
             self.residuals[fragment] = residual
         return [np.frombuffer(m, np.uint8) for m in messages], delta
 
@@ -269,3 +267,8 @@ class Link:
     def close(self) -> None:
         """Stop the thread (pending exchanges are abandoned)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def residual_slice(residual: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    """``residual[sl]`` (a view), or None without error feedback."""
+    return None if residual is None else residual[sl]

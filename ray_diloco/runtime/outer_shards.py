@@ -35,10 +35,11 @@ import numpy as np
 import ray
 import torch
 
+from ray_diloco.core import codec
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
-from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.core.quantize import Packed, from_message, message_nbytes
 from ray_diloco.core.shards import shard_bounds, slice_optimizer_state
-from ray_diloco.core.wire import Downlink, message_numel, message_size, message_values
+from ray_diloco.core.wire import Downlink, is_raw, message_numel, message_size, message_values
 
 
 def _maths_threads() -> int:
@@ -49,10 +50,17 @@ def _maths_threads() -> int:
         return max(1, min(4, os.cpu_count() or 1))
 
 
-def _decode_and_check(message: Any) -> tuple[np.ndarray | None, float | None]:
-    """(a check thread) A pseudo-gradient's fp32 values (a view of a ``none`` message) and their
-    norm, or ``(None, None)`` when it is malformed or not finite."""
+def _decode_and_check(message: Any) -> tuple[np.ndarray | Packed | None, float | None]:
+    """(a check thread) A pseudo-gradient's values and their norm, or ``(None, None)`` when it is
+    malformed or not finite: a ``none`` message's fp32 values (a view); a scaled format's encoding
+    as it came (views of its bytes, decoded when summed: ``core.outer.OrderedMean``), its norm
+    read in one pass (``core.codec.norm``); a bf16 one decoded."""
     try:
+        if not is_raw(message):
+            packed = from_message(message)
+            if packed.format in codec.MAX:
+                norm = codec.norm(packed.payload, packed.scales, packed.format, packed.numel)
+                return (packed, norm) if norm is not None else (None, None)
         values = message_values(message)[1]
     except ValueError:
         return None, None
@@ -88,7 +96,7 @@ class OuterShard:
         self.shard, self.shards = int(shard), int(shards)
         self.opt: OuterOptimizer | None = None
         self.bounds: list[slice] = []
-        self.pending: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # checked, not yet summed
+        self.pending: dict[tuple[int, int], dict[int, np.ndarray | Packed]] = {}  # checked, not yet summed
         self.held: dict[int, dict[int, dict[str, Any]]] = {}  # the copies this shard keeps: {shard: {fragment: ..}}
         self._held_lock = threading.Lock()
         torch.set_num_threads(_maths_threads())

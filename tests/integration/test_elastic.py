@@ -548,8 +548,8 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     from helpers import ROOT
 
     # 250 ms one-way latency on the replica-driver links: every outer step lasts >= 0.5 s, so the
-    # 45 steps after the kill outlast a replacement's start-up (~10 s) however fast the model trains
-    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=1200, diloco__H=25, run__eval_every=0,
+    # 34 steps after the kill outlast a replacement's start-up (~10 s) however fast the model trains
+    cfg = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=900, diloco__H=25, run__eval_every=0,
                          run__checkpoint_every=10, tracking__wandb=True, run__name="cli", network__latency_ms=250.0)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -559,8 +559,8 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     run_dir = tmp_path / "runs" / "cli"
     try:
         wait_for(lambda: proc.poll() is not None or ((run_dir / "metrics.jsonl").is_file() and len(
-            (run_dir / "metrics.jsonl").read_text().splitlines()) >= 3), 240, "3 outer steps of the run")
-        assert proc.poll() is None, "the run ended before its third outer step"
+            (run_dir / "metrics.jsonl").read_text().splitlines()) >= 2), 240, "2 outer steps of the run")
+        assert proc.poll() is None, "the run ended before its second outer step"
         workers = []
         for p in descendants(proc.pid):
             try:
@@ -580,7 +580,7 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
     assert "join (step=" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["membership"]["death"] == 1 and summary["membership"]["join"] >= 1
-    assert summary["replicas_live"] == 2 and summary["outer_steps"] == 48
+    assert summary["replicas_live"] == 2 and summary["outer_steps"] == 36
     rows = read_metrics(run_dir)
     events = [e["event"] for r in rows for e in r.get("events", [])]
     assert "death" in events and "join" in events

@@ -1,6 +1,6 @@
 """benchmarks/gpu.py is prepared for the few sessions that are lent a GPU: its CPU smoke mode runs
 the whole script here (the plain loop, the 2-replica streaming run with micro-batches and
-checkpoints, and its resume), so a GPU session does not find a broken script."""
+checkpoints, and its resume; the FSDP run, not resumed in smoke mode), so a GPU session does not find a broken script."""
 
 from __future__ import annotations
 
@@ -33,4 +33,4 @@ def test_the_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, ray_address):
     assert res["ddp_final_train_loss"] < res["ddp_first_train_loss"] - 0.1, res
     assert res["ddp_final_train_loss"] < math.log(65) - 0.25, res
     assert "ray-diloco, DDP" in p.stdout and "ray-diloco, FSDP" in p.stdout
-    assert res["fsdp_resumed"] is True and res["fsdp_tokens_per_s"] > 0  # FSDP2 over gloo on CPU
+    assert res["fsdp_tokens_per_s"] > 0 and res["fsdp_checkpoints"] >= 2  # FSDP2 over gloo on CPU (resumed on a GPU)

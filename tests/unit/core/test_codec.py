@@ -1,0 +1,128 @@
+"""The fused CPU codec (``core.codec``) against the torch codec it replaces on the host
+(``core.quantize.encode_tensor_torch`` / ``decode_tensor_torch``, kept for tensors on a GPU and as
+this oracle): the same bytes, decoded values, residuals and downlink globals, bit for bit, on
+random, padded, zero, signed-zero, subnormal, huge, rounding-tie and raw-bit-pattern inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ray_diloco.core import codec
+from ray_diloco.core.quantize import BLOCK, decode_tensor_torch, encode_tensor_torch
+
+SCALED = ["fp4_e3m0", "int8", "fp8_e4m3"]
+rng = np.random.default_rng(7)
+
+
+def _bits() -> np.ndarray:
+    b = rng.integers(0, 2**32, 60_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return b[np.isfinite(b)]
+
+
+def _ties() -> np.ndarray:
+    """Each block's absmax makes the scale 1 (max in the block), then values on and next to every
+    rounding midpoint of fp4, int8 and fp8 (ties to even are where codecs differ)."""
+    mids = np.array([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0, 0.5, 1.5, 2.5, 126.5, 1.0625, 17.0, 208.0, 2**-10])
+    near = np.concatenate([mids, np.nextafter(mids, 0), np.nextafter(mids, 1e9)]).astype(np.float32)
+    out = []
+    for vmax in (16.0, 127.0, 448.0):
+        v = near[near <= vmax]
+        out += [np.float32(vmax), *v, *(-v)]
+    return np.array(out, np.float32)
+
+
+CASES = {
+    "normal_padded": rng.standard_normal(3 * BLOCK + 17).astype(np.float32),
+    "odd_one": np.array([0.3], np.float32),
+    "zeros": np.zeros(2 * BLOCK, np.float32),
+    "signed_zeros": np.where(rng.random(600) < 0.5, -0.0, 0.0).astype(np.float32),
+    "subnormal": (rng.standard_normal(999) * 1e-41).astype(np.float32),
+    "huge": (rng.standard_normal(1001) * 3e38).clip(-3.4e38, 3.4e38).astype(np.float32),
+    "wide_range": (rng.standard_normal(5000) * np.exp(rng.uniform(-60, 60, 5000))).astype(np.float32),
+    "raw_bits": _bits(),
+    "ties": _ties(),
+}
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_codec_bytes_and_values_equal_the_torch_codec(fmt: str, case: str) -> None:
+    x = CASES[case]
+    payload, scales = codec.encode(x, fmt)
+    want_p, want_s = encode_tensor_torch(torch.from_numpy(x), fmt)
+    assert np.array_equal(scales.view(np.uint32), want_s.numpy().view(np.uint32))
+    assert np.array_equal(payload, want_p.numpy())
+    got = codec.decode_into(payload, scales, fmt, np.empty(x.size, np.float32))
+    want = decode_tensor_torch(want_p, want_s, x.size, fmt).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 included
+    # a chunk of whole blocks, added to what is there (the outer side's decode-and-accumulate)
+    start = BLOCK if x.size > BLOCK else 0
+    acc = np.full(x.size - start, 0.5, np.float32)
+    codec.decode_into(payload, scales, fmt, acc, start=start, accumulate=True)
+    assert np.array_equal(acc, np.float32(0.5) + want[start:])
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+def test_error_feedback_and_downlink_in_one_pass_equal_the_torch_steps(fmt: str) -> None:
+    x = CASES["normal_padded"]
+    r = (rng.standard_normal(x.size) * 0.05).astype(np.float32)
+    value = torch.from_numpy(x) + torch.from_numpy(r)
+    want_p, want_s = encode_tensor_torch(value, fmt)
+    sent = decode_tensor_torch(want_p, want_s, x.size, fmt)
+    new_r = np.empty_like(x)
+    payload, scales = codec.encode(x, fmt, r, new_r)  # uplink: residual in, new residual out
+    assert np.array_equal(payload, want_p.numpy()) and np.array_equal(scales, want_s.numpy())
+    assert np.array_equal(new_r, (value - sent).numpy())
+    params = rng.standard_normal(x.size).astype(np.float32)
+    want_params = (torch.from_numpy(params) + sent).numpy()
+    r_inplace = r.copy()
+    payload, scales, norm = codec.apply_update(x, r_inplace, params, fmt, r_inplace)  # downlink: in place
+    assert np.array_equal(payload, want_p.numpy())
+    assert np.array_equal(params, want_params) and np.array_equal(r_inplace, (value - sent).numpy())
+    assert norm == pytest.approx(float(sent.double().norm()), rel=1e-12)
+
+
+def test_non_finite_input_is_refused_and_nothing_is_written() -> None:
+    x = CASES["normal_padded"].copy()
+    x[5], x[700] = np.nan, np.inf
+    r = np.zeros_like(x)
+    params = np.ones_like(x)
+    with pytest.raises(ValueError, match="2 non-finite values"):
+        codec.apply_update(x, r, params, "fp4_e3m0", r)
+    assert not r.any() and (params == 1).all()
+    with pytest.raises(ValueError, match="2 non-finite values"):
+        codec.encode(x, "int8", r, r)
+    assert not r.any()
+    with pytest.raises(ValueError, match="bf16"):
+        codec.encode(x, "bf16")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        codec.decode_into(np.zeros(10, np.uint8), np.ones(1, np.float32), "int8", np.empty(3, np.float32), start=3)
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+def test_the_outer_side_sums_encoded_pseudo_gradients_with_the_bits_of_decoded_ones(fmt: str) -> None:
+    """``OrderedMean`` given the encodings (decoded a chunk at a time as it sums) equals it given
+    the decoded values, bit for bit, across chunk edges; ``codec.norm`` reads the norm in one pass
+    and refuses a message whose scale is not finite."""
+    from ray_diloco.core import outer
+    from ray_diloco.core.quantize import Packed
+
+    n = outer.CHUNK + 3 * BLOCK + 5
+    xs = [(rng.standard_normal(n) * (m + 1)).astype(np.float32) for m in range(3)]
+    enc = [codec.encode(x, fmt) for x in xs]
+    packed, plain = outer.OrderedMean(n), outer.OrderedMean(n)
+    for (p, s), w in zip(enc, (3.0, 1.0, 2.0)):
+        packed.add(Packed(fmt, n, p, s), w)
+        plain.add(codec.decode_into(p, s, fmt, np.empty(n, np.float32)), w)
+    assert packed.nbytes < plain.nbytes / 3
+    assert torch.equal(packed.take(), plain.take())
+    p, s = enc[0]
+    want = float(np.linalg.norm(codec.decode_into(p, s, fmt, np.empty(n, np.float32)).astype(np.float64)))
+    assert codec.norm(p, s, fmt, n) == pytest.approx(want, rel=1e-12)
+    bad = s.copy()
+    bad[3] = np.inf
+    assert codec.norm(p, bad, fmt, n) is None
+    with pytest.raises(ValueError, match="needs more than"):
+        codec.norm(p[:10], s, fmt, n)
