@@ -28,6 +28,11 @@ its sync step. For each (P, M, format, K):
 - ``--step-s S``: each inner step also sleeps S seconds (0: the exchange is all there is, its worst
   case; with S > 0 work done in the background between syncs, e.g. the shards' copies, is hidden
   as real compute hides it);
+- ``--nodes N`` (default 1: one local Ray node): a multi-node Ray cluster on this machine
+  (``ray.cluster_utils.Cluster``): a head without CPUs for the job and the outer side (the driver
+  is pinned to the job's node; K > 1 shards go to the replicas' nodes), and N - 1 nodes for the
+  replicas, each with its own raylet and object store, so pseudo-gradients and replies cross the
+  object manager between stores as on a real cluster (``nodes`` in each row);
 - ``copy_u``: with K > 1 and ``diloco.outer_shard_backup`` on (``--backup on off`` measures both),
   the bytes of the copies the shards keep of each other's state (``runtime.outer_shards``), in U;
   each outer step sends as many bytes between the shards;
@@ -38,7 +43,7 @@ its sync step. For each (P, M, format, K):
 
     python benchmarks/exchange.py [--params 1e6 1e7 1e8] [--replicas 2 4] [--formats none fp4_e3m0]
                                   [--shards 1 2] [--backup on off] [--step-s 0] [--outer-steps 4]
-                                  [--json PATH]
+                                  [--nodes 1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -265,6 +270,8 @@ def main() -> None:
     ap.add_argument("--backup", choices=("on", "off"), nargs="+", default=["on"],
                     help="diloco.outer_shard_backup (K > 1): the shards' copies of each other's state")
     ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="Ray nodes: 1 (local), or a head without CPUs + N - 1 replica nodes (ray.cluster_utils.Cluster)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 
@@ -272,7 +279,19 @@ def main() -> None:
 
     from ray_diloco.components.data import load_corpus
 
-    ray.init(num_cpus=max(args.replicas) + 1, include_dashboard=False, logging_level="ERROR")
+    cluster = None
+    if args.nodes > 1:  # every node its own raylet and object store: transfers cross the object manager
+        from ray.cluster_utils import Cluster
+
+        store = int(min(6e9, max(1e9, 8 * 4 * max(args.params))))  # per node: a few messages of the largest P
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
+        per_node = -(-max(args.replicas) // (args.nodes - 1))
+        for _ in range(args.nodes - 1):
+            cluster.add_node(num_cpus=per_node, object_store_memory=store)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="ERROR")
+    else:
+        ray.init(num_cpus=max(args.replicas) + 1, include_dashboard=False, logging_level="ERROR")
     cfg0 = _config(1000, 2, "none", 2, "/tmp")
     corpus = load_corpus(cfg0.data)
     skip = {(int(float(p)), int(m)) for p, m in (s.split(":") for s in args.skip)}
@@ -293,7 +312,7 @@ def main() -> None:
                 if k == 1 and b == "off" and "on" in args.backup:
                     continue  # K = 1 keeps no copies: the same run
                 r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s)
-                row = {"params": p, "replicas": m, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
+                row = {"params": p, "replicas": m, "nodes": args.nodes, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
                        "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"],
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
@@ -314,6 +333,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     ray.shutdown()
+    if cluster is not None:
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ BLOCK = 256  # values per scale block (core.quantize.BLOCK)
 MAX = {"fp4_e3m0": 16.0, "int8": 127.0, "fp8_e4m3": 448.0}
 _KIND = {"fp4_e3m0": 0, "int8": 1, "fp8_e4m3": 2}
 
-_FP4_MIDS = np.array([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0], dtype=np.float32)
+#: 2^(9 - k) for k = 0..15 (the fp8 mantissa's scale in binade k - 6), then 2^j for j = -5..10.
+_POW2 = np.array([2.0 ** (9 - k) for k in range(16)] + [2.0**j for j in range(-5, 11)], dtype=np.float32)
 #: fp32 value of each fp4 nibble (code 0..7: 0, 2^-2 .. 2^4; bit 3 the sign, -0.0 for code 0).
 _FP4_VALUES = np.array([0.0, 0.25, 0.5, 1, 2, 4, 8, 16, -0.0, -0.25, -0.5, -1, -2, -4, -8, -16], dtype=np.float32)
 #: fp32 value of each float8 e4m3fn byte (NaN for 0x7F and 0xFF, which the encoder never makes).
@@ -56,32 +57,65 @@ def payload_nbytes(numel: int, fmt: str) -> int:
 
 
 @njit(inline="always", cache=True)
-def _fp8_code(y):  # pragma: no cover - compiled
-    """float8 e4m3fn byte of fp32 ``y`` (|y| <= 448), round to nearest even."""
+def _fp8_code(y, pow2):  # pragma: no cover - compiled
+    """float8 e4m3fn byte of fp32 ``y`` (|y| <= 448), round to nearest even, in vectorisable
+    arithmetic: the binade ``e`` (2^e <= |y|, e in -6..8; -6 also for subnormals) by comparisons,
+    then the 3-bit mantissa as ``rint(|y| 2^(3 - e))`` (an exact power-of-two scale; 16 carries
+    into the exponent), the code ``(e + 7) << 3 | mantissa``; subnormals come out of the same
+    formula."""
     a = abs(y)
-    sign = 128 if y < 0 or (y == 0 and math.copysign(1.0, y) < 0) else 0
-    if a < np.float32(0.015625):  # below 2^-6: subnormal steps of 2^-9 (an exact power-of-two scale)
-        return sign | np.int64(np.rint(a * np.float32(512.0)))
-    m, e = math.frexp(a)  # a = m 2^e, m in [0.5, 1): 1.fff x 2^(e - 1), biased exponent e + 6
-    q = np.int64(np.rint(m * 16.0))  # 8..16, ties to even (16: a carry into the exponent)
-    return sign | (((e + 6) << 3) + q - 8)
+    k = np.int32(0)
+    for j in range(14):  # thresholds 2^-5 .. 2^8
+        k += np.int32(a >= pow2[16 + j])
+    q = np.int32(np.rint(a * pow2[k]))  # pow2[k] = 2^(9 - k) = 2^(3 - e)
+    return ((k + 1) << 3) + q - 8 + (np.int32(math.copysign(1.0, y) < 0) << 7)  # the sign bit, -0.0's too
 
 
 @njit(inline="always", cache=True)
-def _code(y, kind, vmax, mids):  # pragma: no cover - compiled
-    """The code of fp32 ``y`` (a value divided by its block's scale) in format ``kind``."""
-    if kind == 0:  # fp4: how many midpoints are <= |y|; bit 3 the sign of a non-zero code
-        ay = abs(y)
-        c = 0
-        for m in range(7):
-            if ay >= mids[m]:
-                c += 1
-        if y < 0 and c > 0:
-            c |= 8
-        return c
-    if kind == 1:  # int8: round half to even, clamp
-        return np.int64(min(max(np.rint(y), np.float32(-127.0)), np.float32(127.0))) & 0xFF
-    return _fp8_code(min(max(y, np.float32(-vmax)), np.float32(vmax)))  # fp8 e4m3fn: clamp, round to nearest even
+def _fp4_code(y):  # pragma: no cover - compiled
+    """fp4 e3m0 nibble of fp32 ``y``: how many midpoints 0.125 .. 12 are <= |y|, bit 3 the sign
+    of a non-zero code (int32 sums of comparisons vectorise; a uint8 sum does not)."""
+    a = abs(y)
+    c = (
+        np.int32(a >= np.float32(0.125))
+        + np.int32(a >= np.float32(0.375))
+        + np.int32(a >= np.float32(0.75))
+        + np.int32(a >= np.float32(1.5))
+        + np.int32(a >= np.float32(3.0))
+        + np.int32(a >= np.float32(6.0))
+        + np.int32(a >= np.float32(12.0))
+    )
+    return c + 8 * (np.int32(y < 0) * np.int32(c > 0))
+
+
+@njit(inline="always", cache=True)
+def _int8_code(y):  # pragma: no cover - compiled
+    """int8 byte of fp32 ``y``: round half to even, clamp to [-127, 127], two's complement."""
+    return np.int32(min(max(np.rint(y), np.float32(-127.0)), np.float32(127.0))) & 0xFF
+
+
+@njit(inline="always", cache=True)
+def _emit(i, v, sent, r_out, p, fb, upd):  # pragma: no cover - compiled
+    """Error feedback and the downlink's update for value ``i``; returns ``sent^2`` (fp64) or 0."""
+    if fb:
+        r_out[i] = v - sent
+    if upd:
+        p[i] = p[i] + sent
+        return np.float64(sent) * np.float64(sent)
+    return 0.0
+
+
+@njit(inline="always", cache=True, fastmath={"reassoc", "nsz"})
+def _block_absmax(x, r, lo, hi, use_r):  # pragma: no cover - compiled
+    """``(max |x + r|, finite)`` over ``[lo, hi)`` (max is exact in any order; a non-finite value
+    makes ``sum(v * 0)`` NaN)."""
+    amax = np.float32(0.0)
+    z = np.float32(0.0)
+    for i in range(lo, hi):
+        v = x[i] + r[i] if use_r else x[i]
+        amax = max(amax, abs(v))
+        z += v * np.float32(0.0)
+    return amax, z == 0
 
 
 @njit(parallel=True, cache=True)
@@ -93,53 +127,71 @@ def _scale_pass(x, r, vmax, scales):  # pragma: no cover - compiled
     bad = 0
     for b in prange(scales.size):
         lo = b * 256
-        hi = min(lo + 256, n)
-        amax = np.float32(0.0)
-        finite = True
-        for i in range(lo, hi):
-            v = x[i] + r[i] if use_r else x[i]
-            finite = finite and np.isfinite(v)
-            a = abs(v)
-            if a > amax:
-                amax = a
-        if not finite:
-            bad += 1
+        amax, finite = _block_absmax(x, r, lo, min(lo + 256, n), use_r)
+        bad += np.int64(not finite)
         scales[b] = amax / np.float32(vmax) if amax > 0 else np.float32(1.0)
     return bad
 
 
 @njit(parallel=True, cache=True)
-def _code_pass(x, r, r_out, p, kind, vmax, mids, table, payload, scales):  # pragma: no cover - compiled
-    """Codes of ``x (+ r)`` with the given block ``scales`` into ``payload``; where given (size
-    > 0), ``r_out = (x + r) - dequantised`` and ``p += dequantised``. Returns the sum of squares
-    of the dequantised values (fp64)."""
+def _code_pass(x, r, r_out, p, kind, vmax, pow2, table, payload, scales, scaled):  # pragma: no cover - compiled
+    """Codes of ``x (+ r)`` into ``payload``, block by block; the block's scale computed here (a
+    block is read twice while it is in cache) or, with ``scaled``, taken from ``scales``. Where
+    given (size > 0), ``r_out = (x + r) - dequantised`` and ``p += dequantised``. Returns
+    (blocks with a non-finite value: nothing meaningful written for them, sum of squares of the
+    dequantised values in fp64 when ``p`` is given)."""
     n = x.size
     use_r, fb, upd = r.size > 0, r_out.size > 0, p.size > 0
     sq = 0.0
+    bad = 0
     for b in prange(scales.size):
         lo = b * 256
         hi = min(lo + 256, n)
-        s = scales[b]
+        if scaled:
+            s = scales[b]
+        else:
+            amax, finite = _block_absmax(x, r, lo, hi, use_r)
+            if not finite:
+                bad += 1
+                continue
+            s = amax / np.float32(vmax) if amax > 0 else np.float32(1.0)
+            scales[b] = s
         part = 0.0
-        for i in range(lo, hi):
-            v = x[i] + r[i] if use_r else x[i]
-            c = _code(v / s, kind, vmax, mids)
-            if kind == 0:
-                if i & 1:
-                    payload[i >> 1] = np.uint8(payload[i >> 1] | (c << 4))
-                else:
-                    payload[i >> 1] = np.uint8(c)
-            else:
+        if kind == 0:  # two values per byte, the first in the low nibble
+            for j in range(lo >> 1, hi >> 1):
+                i = 2 * j
+                v0 = x[i] + r[i] if use_r else x[i]
+                v1 = x[i + 1] + r[i + 1] if use_r else x[i + 1]
+                c0 = _fp4_code(v0 / s)
+                c1 = _fp4_code(v1 / s)
+                payload[j] = np.uint8(c0 | (c1 << 4))
+                if fb or upd:
+                    part += _emit(i, v0, table[c0] * s, r_out, p, fb, upd)
+                    part += _emit(i + 1, v1, table[c1] * s, r_out, p, fb, upd)
+            if (hi - lo) & 1:  # an odd last value: the high nibble is 0
+                i = hi - 1
+                v0 = x[i] + r[i] if use_r else x[i]
+                c0 = _fp4_code(v0 / s)
+                payload[i >> 1] = np.uint8(c0)
+                if fb or upd:
+                    part += _emit(i, v0, table[c0] * s, r_out, p, fb, upd)
+        elif kind == 1:
+            for i in range(lo, hi):
+                v = x[i] + r[i] if use_r else x[i]
+                c = _int8_code(v / s)
                 payload[i] = np.uint8(c)
-            if fb or upd:
-                sent = table[c] * s
-                if fb:
-                    r_out[i] = v - sent
-                if upd:
-                    p[i] = p[i] + sent
-                    part += np.float64(sent) * np.float64(sent)
+                if fb or upd:
+                    part += _emit(i, v, table[c] * s, r_out, p, fb, upd)
+        else:
+            m = np.float32(vmax)
+            for i in range(lo, hi):
+                v = x[i] + r[i] if use_r else x[i]
+                c = _fp8_code(min(max(v / s, -m), m), pow2)
+                payload[i] = np.uint8(c)
+                if fb or upd:
+                    part += _emit(i, v, table[c] * s, r_out, p, fb, upd)
         sq += part
-    return sq
+    return bad, sq
 
 
 @njit(parallel=True, cache=True)
@@ -210,20 +262,28 @@ def _encode(
     x = x.reshape(-1)
     r = _EMPTY if residual is None else residual.reshape(-1)
     _threads()
-    if _scale_pass(x, r, MAX[fmt], scales):  # before anything is written: a refusal leaves all as it was
+    # writing in place (the global values, or a residual overwritten): the scales first, so a
+    # refusal leaves everything as it was; else one pass, a refused encoding is dropped
+    in_place = params is not None or (
+        new_residual is not None and residual is not None and np.shares_memory(new_residual, residual)
+    )
+    if in_place and _scale_pass(x, r, MAX[fmt], scales):
         raise _nonfinite(x, residual)
-    sq = _code_pass(
+    bad, sq = _code_pass(
         x,
         r,
         _EMPTY if new_residual is None else new_residual.reshape(-1),
         _EMPTY if params is None else params.reshape(-1),
         _KIND[fmt],
         MAX[fmt],
-        _FP4_MIDS,
+        _POW2,
         _table(fmt),
         payload,
         scales,
+        in_place,
     )
+    if bad:
+        raise _nonfinite(x, residual)
     return payload, scales, float(np.sqrt(sq))
 
 
@@ -233,8 +293,8 @@ def encode(
     """Encode fp32 ``x`` ``[n]`` (plus ``residual`` ``[n]`` when given) in scaled format ``fmt``:
     ``(payload, scales)``, uint8 ``[payload_nbytes(n)]`` and fp32 ``[ceil(n / BLOCK)]``. With
     ``new_residual`` (fp32 ``[n]``, may be ``residual`` itself) it receives ``(x + residual) -
-    dequantised`` (error feedback) in the same pass. Two reads of the input (the scales, then the
-    codes), one write of each output.
+    dequantised`` (error feedback) in the same pass: each block is read for its scale, then again
+    from cache for its codes; one write of each output.
 
     Raises:
         ValueError: a non-finite value (how many; nothing written), or an unknown format.

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from ray_diloco.config import OuterConfig
-from ray_diloco.core import codec
-from ray_diloco.core.quantize import Packed
+from ray_diloco.core.quantize import Packed, fused_codec
 from ray_diloco.core.wire import as_tensor
 
 
@@ -118,7 +117,7 @@ class OrderedMean:
                 if self._decoded is None or self._decoded.numel() < n:
                     self._decoded = torch.empty(min(CHUNK, self.numel) if n <= CHUNK else n, dtype=torch.float32)
                 part = self._decoded[:n]
-                codec.decode_into(d.payload, d.scales, d.format, part.numpy(), start=sl.start)
+                fused_codec().decode_into(d.payload, d.scales, d.format, part.numpy(), start=sl.start)
                 a.add_(part, alpha=w / self.total)
             else:
                 a.add_(as_tensor(d[sl]), alpha=w / self.total)

@@ -29,12 +29,12 @@ import math
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ray_diloco.config.schema import QUANTIZATION_FORMATS
-from ray_diloco.core import codec
 
 BLOCK = 256
 # the config's streaming.quantization choices; a format's id on the wire is its index here
@@ -43,6 +43,15 @@ _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
 _SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
+SCALED = _SCALED
+
+
+def fused_codec() -> Any:
+    """``core.codec`` (the fused CPU codec), imported on first use: numba takes about a second to
+    import and a process that never encodes a scaled format on the host never pays it."""
+    from ray_diloco.core import codec
+
+    return codec
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,7 @@ def encode_tensor(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
         ValueError: unknown format; non-finite values (the fused codec checks them).
     """
     if _host(x, fmt):
-        payload, scales = codec.encode(x.detach().reshape(-1).float().contiguous().numpy(), fmt)
+        payload, scales = fused_codec().encode(x.detach().reshape(-1).float().contiguous().numpy(), fmt)
         return torch.from_numpy(payload), torch.from_numpy(scales)
     return encode_tensor_torch(x, fmt)
 
@@ -184,7 +193,7 @@ def decode_tensor(payload: torch.Tensor, scales: torch.Tensor, numel: int, fmt: 
         ValueError: unknown format."""
     if _host(payload, fmt):
         out = torch.empty(numel, dtype=torch.float32)
-        codec.decode_into(payload.numpy(), scales.numpy(), fmt, out.numpy())
+        fused_codec().decode_into(payload.numpy(), scales.numpy(), fmt, out.numpy())
         return out
     return decode_tensor_torch(payload, scales, numel, fmt)
 
@@ -291,7 +300,7 @@ def encode_message(
     """
     n = x.numel()
     if _host(x, fmt) and (residual is None or residual.device.type == "cpu"):
-        payload, scales = codec.encode(
+        payload, scales = fused_codec().encode(
             x.detach().reshape(-1).contiguous().numpy(),
             fmt,
             None if residual is None else residual.reshape(-1).contiguous().numpy(),

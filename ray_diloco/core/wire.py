@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.core import codec
 from ray_diloco.core.quantize import (
+    SCALED,
     Packed,
     decode,
     from_message,
+    fused_codec,
     message_nbytes,
     quantize_message,
     to_message,
@@ -117,13 +118,15 @@ def apply_downlink(
         return torch.add(old_global, values, out=out)
     if not is_raw(message) and old_global.device.type == "cpu" and (out is None or out.is_contiguous()):
         packed = from_message(message)
-        if packed.format in codec.MAX:  # decoded straight into the result (core.codec): no decoded copy
+        if packed.format in SCALED:  # decoded straight into the result (core.codec): no decoded copy
             if packed.numel != old_global.numel():
                 raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
             new = torch.empty_like(old_global) if out is None else out
             if new.data_ptr() != old_global.data_ptr():
                 new.copy_(old_global)
-            codec.decode_into(packed.payload, packed.scales, packed.format, new.reshape(-1).numpy(), accumulate=True)
+            fused_codec().decode_into(
+                packed.payload, packed.scales, packed.format, new.reshape(-1).numpy(), accumulate=True
+            )
             return new
     fmt, decoded = message_values(message)
     if decoded.size != old_global.numel():
@@ -164,13 +167,13 @@ class Downlink:
             raise ValueError("streaming.quantization = 'none': the reply is the global fragment, not an update")
         residual = self.residuals[fragment]
         p = opt.params[fragment].detach()
-        if self.fmt in codec.MAX and p.device.type == "cpu" and update.device.type == "cpu":  # one fused pass
+        if self.fmt in SCALED and p.device.type == "cpu" and update.device.type == "cpu":  # one fused pass
             if self.error_feedback and residual is None:
                 residual_out: torch.Tensor | None = torch.empty_like(update)
             else:
                 residual_out = residual if self.error_feedback else None
             with torch.no_grad():
-                payload, scales, norm = codec.apply_update(
+                payload, scales, norm = fused_codec().apply_update(
                     update.reshape(-1).numpy(),
                     None if residual is None else residual.numpy(),
                     p.reshape(-1).numpy(),

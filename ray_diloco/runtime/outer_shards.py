@@ -35,9 +35,8 @@ import numpy as np
 import ray
 import torch
 
-from ray_diloco.core import codec
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
-from ray_diloco.core.quantize import Packed, from_message, message_nbytes
+from ray_diloco.core.quantize import SCALED, Packed, from_message, fused_codec, message_nbytes
 from ray_diloco.core.shards import shard_bounds, slice_optimizer_state
 from ray_diloco.core.wire import Downlink, is_raw, message_numel, message_size, message_values
 
@@ -58,8 +57,8 @@ def _decode_and_check(message: Any) -> tuple[np.ndarray | Packed | None, float |
     try:
         if not is_raw(message):
             packed = from_message(message)
-            if packed.format in codec.MAX:
-                norm = codec.norm(packed.payload, packed.scales, packed.format, packed.numel)
+            if packed.format in SCALED:
+                norm = fused_codec().norm(packed.payload, packed.scales, packed.format, packed.numel)
                 return (packed, norm) if norm is not None else (None, None)
         values = message_values(message)[1]
     except ValueError:
