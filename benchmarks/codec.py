@@ -8,6 +8,7 @@ pseudo-gradient (standard normal):
 - ``encode_s``: the fused codec (``core.codec.encode``, what a replica and the outer side run on
   the host) with error feedback (residual in, new residual out), and ``encode_x`` its ratio to the
   memcpy;
+- ``encode_plain_s``: the same without error feedback (``encode_plain_x`` its ratio);
 - ``decode_add_s``: decoding one message into an fp32 accumulator (``core.codec.decode_into``
   with ``accumulate``: what a receiver does with the downlink), ``decode_add_x`` its ratio;
 - ``torch_encode_s`` / ``torch_decode_add_s``: the torch codec this replaced on the host
@@ -76,10 +77,11 @@ def main() -> int:
     rows = []
     for fmt in a.formats:
         payload, scales = codec.encode(x, fmt, r, new_r)
+        plain = timed(lambda f=fmt: codec.encode(x, f), a.repeats)
         enc = timed(lambda f=fmt: codec.encode(x, f, r, new_r), a.repeats)
         dec = timed(lambda f=fmt, p=payload, s=scales: codec.decode_into(p, s, f, acc, accumulate=True), a.repeats)
         row = {"format": fmt, "values": n, "threads": torch.get_num_threads(), "memcpy_s": memcpy_s,
-               "encode_s": enc, "encode_x": enc / memcpy_s, "decode_add_s": dec, "decode_add_x": dec / memcpy_s,
+               "encode_plain_s": plain, "encode_plain_x": plain / memcpy_s, "encode_s": enc, "encode_x": enc / memcpy_s, "decode_add_s": dec, "decode_add_x": dec / memcpy_s,
                "values_per_s": n / enc}
         if a.torch == "on":
             row["torch_encode_s"] = timed(lambda f=fmt: torch_encode(x, r, f), 1)
@@ -89,12 +91,13 @@ def main() -> int:
             row["speedup"] = row["torch_encode_s"] / enc
         rows.append(row)
     print(f"{n / 1e6:.0f}M fp32 values, {torch.get_num_threads()} threads; memcpy {memcpy_s:.3f} s")
-    print(f"{'format':10} {'encode s':>9} {'x memcpy':>9} {'dec+add s':>10} {'x memcpy':>9} "
+    print(f"{'format':10} {'plain enc s':>11} {'x memcpy':>9} {'EF enc s':>9} {'x memcpy':>9} {'dec+add s':>10} {'x memcpy':>9} "
           f"{'torch enc s':>12} {'torch dec+add s':>16} {'speedup':>8}")
     for row in rows:
         t = (f"{row['torch_encode_s']:>12.3f} {row['torch_decode_add_s']:>16.3f} {row['speedup']:>7.1f}x"
              if "speedup" in row else "")
-        print(f"{row['format']:10} {row['encode_s']:>9.3f} {row['encode_x']:>8.1f}x {row['decode_add_s']:>10.3f} "
+        print(f"{row['format']:10} {row['encode_plain_s']:>11.3f} {row['encode_plain_x']:>8.1f}x "
+              f"{row['encode_s']:>9.3f} {row['encode_x']:>8.1f}x {row['decode_add_s']:>10.3f} "
               f"{row['decode_add_x']:>8.1f}x {t}")
     if a.json:
         with open(a.json, "w") as f:
