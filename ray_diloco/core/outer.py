@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -175,7 +176,12 @@ class OuterOptimizer:
 
     # -- the outer step --------------------------------------------------------------------
     def step_ordered(
-        self, fragment: int, mean: OrderedMean, average_only: bool = False, keep_update: bool = False
+        self,
+        fragment: int,
+        mean: OrderedMean,
+        average_only: bool = False,
+        keep_update: bool = False,
+        on_update: Callable[[slice, torch.Tensor], None] | None = None,
     ) -> tuple[float, torch.Tensor | None]:
         """The outer step of ``fragment`` with the mean of ``mean``'s terms (dropped after).
 
@@ -190,7 +196,11 @@ class OuterOptimizer:
         With ``keep_update`` the global fragment is left as it was and the update ``new - old``
         (fp32 ``[numel_p]``, bitwise what the step adds) is returned for the downlink to
         quantise (``core.wire.Downlink.encode_update`` then applies what receivers apply);
-        otherwise the fragment is stepped in place and None is returned with the norm.
+        otherwise the fragment is stepped in place and None is returned with the norm. With
+        ``on_update`` the fragment is also left as it was and each chunk's update is handed to
+        ``on_update(slice, update[slice])`` as soon as it is made (a scratch tensor, valid during
+        the call; slices start at multiples of :data:`CHUNK`): the downlink encodes and applies it
+        while it is in cache, and no fragment-sized update is ever allocated.
 
         Returns ``(update_norm, update or None)``: the norm of the step taken (``lr`` x the norm of
         the step direction; fp32 chunk norms combined in fp64).
@@ -206,9 +216,11 @@ class OuterOptimizer:
             opt.step()
             p.grad = None
             update = p.detach() - before
-            if keep_update:
+            if keep_update or on_update is not None:
                 with torch.no_grad():
                     p.copy_(before)
+            if on_update is not None:
+                on_update(slice(0, update.numel()), update)
             return float(update.norm()), update if keep_update else None
         lr, mu = (1.0, 0.0) if average_only else (g["lr"], g["momentum"])
         buf, first = None, False
@@ -220,8 +232,10 @@ class OuterOptimizer:
                 state["momentum_buffer"] = buf = torch.empty_like(p.detach())
         n = p.numel()
         scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
-        old = torch.empty_like(scratch) if keep_update else None
+        keep = keep_update or on_update is not None
+        old = torch.empty_like(scratch) if keep else None
         update = torch.empty(n, dtype=torch.float32) if keep_update else None
+        part = torch.empty_like(scratch) if on_update is not None else None
         sq = 0.0
         with torch.no_grad():
             for sl in _chunks(n):
@@ -234,15 +248,21 @@ class OuterOptimizer:
                         b.mul_(mu).add_(eff)
                     eff = eff.add_(b, alpha=mu) if g["nesterov"] else b
                 pc = p.detach()[sl]
-                if keep_update:
+                if keep:
                     assert old is not None
                     o = old[: pc.numel()].copy_(pc)
                 pc.add_(eff, alpha=-lr)
-                if keep_update:
-                    assert update is not None
-                    torch.sub(pc, o, out=update[sl])
-                    pc.copy_(o)
                 sq += float(eff.norm()) ** 2
+                if keep:
+                    if on_update is not None:
+                        assert part is not None
+                        u = torch.sub(pc, o, out=part[: pc.numel()])
+                    else:
+                        assert update is not None
+                        u = torch.sub(pc, o, out=update[sl])
+                    pc.copy_(o)
+                    if on_update is not None:
+                        on_update(sl, u)
         mean.clear()
         return lr * math.sqrt(sq), update
 

@@ -286,32 +286,51 @@ def quantize_message(x: torch.Tensor, fmt: str, residual: torch.Tensor | None = 
     return to_message(Packed(fmt, value.numel(), payload.cpu().numpy(), scales.cpu().numpy())), sent
 
 
+def new_frame(fmt: str, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """An uninitialised wire message of ``numel`` values in scaled format ``fmt`` (uint8
+    ``[message_nbytes]``, its header written) and the view of it its packed values go into: an
+    encoder writes there directly (no copy of the payload into a message)."""
+    n_scales = -(-numel // BLOCK)
+    buf = np.empty(message_nbytes(numel, fmt), dtype=np.uint8)
+    buf[: _HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, FORMATS.index(fmt), numel), np.uint8)
+    return buf, buf[_HEADER.size + 4 * n_scales :]
+
+
+def set_frame_scales(buf: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Write fp32 ``scales`` into a :func:`new_frame` message; returns it."""
+    buf[_HEADER.size : _HEADER.size + scales.nbytes] = scales.view(np.uint8)
+    return buf
+
+
 def encode_message(
     x: torch.Tensor, fmt: str, residual: torch.Tensor | None = None, new_residual: torch.Tensor | None = None
-) -> bytes:
+) -> Any:
     """The wire message of fp32 ``x`` ``[n]`` (plus ``residual`` ``[n]``, last round's quantisation
     error, when given), with error feedback: ``new_residual`` (fp32 ``[n]``, when given) receives
     what the encoding lost, ``(x + residual) - dequantised``, to add to the next round's value
     (Streaming DiLoCo, arXiv 2501.18512, section 2). On the host a scaled format is one fused pass
-    (``core.codec.encode``: no fp32 temporaries); on a GPU the torch codec (the same bits).
+    (``core.codec.encode``: no fp32 temporaries; the packed values written into the message, a
+    uint8 array); on a GPU the torch codec (the same bits, as bytes).
 
     Raises:
         ValueError: non-finite values (nothing written to ``new_residual``).
     """
     n = x.numel()
     if _host(x, fmt) and (residual is None or residual.device.type == "cpu"):
-        payload, scales = fused_codec().encode(
+        message, payload = new_frame(fmt, n)
+        _, scales = fused_codec().encode(
             x.detach().reshape(-1).contiguous().numpy(),
             fmt,
             None if residual is None else residual.reshape(-1).contiguous().numpy(),
             None if new_residual is None else new_residual.reshape(-1).numpy(),
+            payload,
         )
-        return to_message(Packed(fmt, n, payload, scales))
+        return set_frame_scales(message, scales)
     value = x if residual is None else x + residual
-    message, sent = quantize_message(value, fmt)
+    framed, sent = quantize_message(value, fmt)
     if new_residual is not None:
         torch.sub(value.reshape(-1), sent, out=new_residual.reshape(-1))
-    return message
+    return framed
 
 
 def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
@@ -322,7 +341,7 @@ def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | N
         ValueError: non-finite values.
     """
     new = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
-    return encode_message(x, fmt, residual, new), new
+    return bytes(encode_message(x, fmt, residual, new)), new
 
 
 def message_nbytes(numel: int, fmt: str) -> int:

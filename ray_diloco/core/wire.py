@@ -26,14 +26,15 @@ import numpy as np
 import torch
 
 from ray_diloco.core.quantize import (
+    BLOCK,
     SCALED,
-    Packed,
     decode,
     from_message,
     fused_codec,
     message_nbytes,
+    new_frame,
     quantize_message,
-    to_message,
+    set_frame_scales,
 )
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
@@ -98,7 +99,7 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
 
 
 def apply_downlink(
-    old_global: torch.Tensor, message: bytes, out: torch.Tensor | None = None, values: torch.Tensor | None = None
+    old_global: torch.Tensor, message: Message, out: torch.Tensor | None = None, values: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The new global fragment (fp32 ``[numel_p]``, a new tensor, or ``out``: the driver writes
     into its own global fragment) from the driver's reply. ``values``: the message's decoded
@@ -153,7 +154,53 @@ class Downlink:
         self.fmt, self.error_feedback = fmt, error_feedback
         self.residuals: list[torch.Tensor | None] = [None] * num_fragments
 
-    def encode_update(self, opt: Any, fragment: int, update: torch.Tensor) -> tuple[bytes, float]:
+    def step(self, opt: Any, fragment: int, mean: Any, average_only: bool = False) -> tuple[Message, float]:
+        """The outer step of ``fragment`` (``opt``: a ``core.outer.OuterOptimizer``, ``mean`` its
+        ``OrderedMean``) and its reply, quantised. On the host with a scaled format each chunk of
+        the update is encoded, applied to the global fragment and its residual updated as soon as
+        the step makes it (``OuterOptimizer.step_ordered(on_update=...)``, ``core.codec.
+        apply_update``): one pass, no fragment-sized update; otherwise the step's whole update
+        goes through :meth:`encode_update`. The same bits either way. Returns the message and the
+        norm of the update applied (fp64 sum of squares).
+
+        Raises:
+            ValueError: ``none`` format, or a non-finite update."""
+        p = opt.params[fragment].detach()
+        if self.fmt not in SCALED or p.device.type != "cpu":
+            _, update = opt.step_ordered(fragment, mean, average_only, keep_update=True)
+            return self.encode_update(opt, fragment, update)
+        n = p.numel()
+        residual = self.residuals[fragment]
+        if self.error_feedback and residual is None:
+            residual = torch.empty(n, dtype=torch.float32)
+            fresh = True  # no residual yet: the first update is encoded as it is
+        else:
+            fresh = False
+        message, payload = new_frame(self.fmt, n)
+        scales = np.empty(-(-n // BLOCK), dtype=np.float32)
+        codec, sq = fused_codec(), [0.0]
+        flat = p.reshape(-1).numpy()
+        wide = 2 if self.fmt == "fp4_e3m0" else 1  # values per payload byte
+
+        def on_update(sl: slice, update: torch.Tensor) -> None:
+            r = None if residual is None else residual[sl].numpy()
+            _, sc, norm = codec.apply_update(
+                update.numpy(),
+                None if fresh else r,
+                flat[sl],
+                self.fmt,
+                r,
+                payload[sl.start // wide : -(-sl.stop // wide)],
+            )
+            scales[sl.start // BLOCK : sl.start // BLOCK + sc.size] = sc
+            sq[0] += norm * norm
+
+        with torch.no_grad():
+            opt.step_ordered(fragment, mean, average_only, on_update=on_update)
+        self.residuals[fragment] = residual
+        return set_frame_scales(message, scales), math.sqrt(sq[0])
+
+    def encode_update(self, opt: Any, fragment: int, update: torch.Tensor) -> tuple[Message, float]:
         """The message of an outer step given as its update (``new - old``, fp32 ``[numel_p]``, as
         ``OuterOptimizer.step_ordered(keep_update=True)`` returns it, the global fragment still
         ``old``), without a copy of the old fragment.
@@ -172,25 +219,27 @@ class Downlink:
                 residual_out: torch.Tensor | None = torch.empty_like(update)
             else:
                 residual_out = residual if self.error_feedback else None
+            message, payload = new_frame(self.fmt, update.numel())
             with torch.no_grad():
-                payload, scales, norm = fused_codec().apply_update(
+                _, scales, norm = fused_codec().apply_update(
                     update.reshape(-1).numpy(),
                     None if residual is None else residual.numpy(),
                     p.reshape(-1).numpy(),
                     self.fmt,
                     None if residual_out is None else residual_out.numpy(),
+                    payload,
                 )
             self.residuals[fragment] = residual_out
-            return to_message(Packed(self.fmt, update.numel(), payload, scales)), norm
+            return set_frame_scales(message, scales), norm
         value = update if residual is None else update + residual
         del update
-        message, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
+        framed, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
         if self.error_feedback:  # as quantize_with_feedback: what the encoding lost
             self.residuals[fragment] = value - sent
         del value
         with torch.no_grad():
-            apply_downlink(p, message, out=p, values=sent)
-        return message, float(sent.norm())
+            apply_downlink(p, framed, out=p, values=sent)
+        return framed, float(sent.norm())
 
     def state_dict(self) -> list[Any]:
         """The residuals as fp32 arrays (None where there is none), for checkpoints."""

@@ -185,6 +185,7 @@ class Link:
             with self.staging.side() if self.staging is not None else nullcontext():
                 parts, host = self._encode(fragment, delta, before)
             up = 0 if parts is None else sum(message_size(m) for m in parts)
+            encoded = parts is not None  # a new residual was made (with error feedback)
             self._sleep(up)
             refs = None if parts is None else [ray.put(m) for m in parts]  # once; the owners read them in place
             del parts  # the bytes are in the object store: the buffer is free for the next sync
@@ -195,10 +196,12 @@ class Link:
             del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
             if reply.status != OK and self.error_feedback:
-                if before is None:
-                    self.residuals.pop(fragment, None)
-                else:
+                dropped = self.residuals.pop(fragment, None) if encoded else None
+                if before is not None:
                     self.residuals[fragment] = before
+                self._give(dropped)
+            elif self.error_feedback and encoded:
+                self._give(before)  # replaced by the new residual: its buffer serves the next sync
         else:
             reply = ray.get(self.driver.result.remote(unit, step, self.replica, version, average_only))
         down = reply.nbytes
@@ -238,7 +241,12 @@ class Link:
             return [values[sl] for sl in bounds], held
         # error feedback: the new residual written by the encoder in the same pass (core.codec); a
         # new tensor, as the old one is restored when the round drops this message
-        residual = torch.empty_like(delta) if self.error_feedback else None
+        residual = None
+        if self.error_feedback:  # a reused buffer where one can be (no page faults)
+            on_host = self.buffers is not None and delta.device.type == "cpu"
+            residual = (
+                self.buffers.take(delta.numel()) if self.buffers is not None and on_host else torch.empty_like(delta)
+            )
         messages = [
             encode_message(delta[sl], self.fmt, None if before is None else before[sl], residual_slice(residual, sl))
             for sl in bounds
@@ -246,6 +254,11 @@ class Link:
         if residual is not None:
             self.residuals[fragment] = residual
         return [np.frombuffer(m, np.uint8) for m in messages], delta
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        """Hand a residual no longer used back to the buffers (ignored where it is not theirs)."""
+        if self.buffers is not None and t is not None and t.device.type == "cpu":
+            self.buffers.give(t)
 
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty

@@ -191,17 +191,14 @@ class OuterShard:
         """(maths thread) ``OuterOptimizer.step_ordered`` (mean and step in one chunked pass) and
         the reply: with ``none`` the new global slice itself; otherwise the quantised update,
         which this shard applies to its own copy exactly as every receiver does
-        (``core.wire.Downlink.encode_update``)."""
+        (``core.wire.Downlink.step``)."""
         assert self.opt is not None  # set_global first
         s, p = self.cfg.streaming, self.opt.params[fragment]
         if s.quantization == "none":
             norm, _ = self.opt.step_ordered(fragment, mean, average_only)
             ref, size = ray.put(p.numpy()), message_nbytes(p.numel(), "none")
         else:
-            _, update = self.opt.step_ordered(fragment, mean, average_only, keep_update=True)
-            assert update is not None  # keep_update returns it
-            message, norm = self.downlink.encode_update(self.opt, fragment, update)
-            del update
+            message, norm = self.downlink.step(self.opt, fragment, mean, average_only)
             ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
         self.versions[fragment] += 1
         return ref, size, norm, self.versions[fragment]

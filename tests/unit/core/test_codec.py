@@ -126,3 +126,32 @@ def test_the_outer_side_sums_encoded_pseudo_gradients_with_the_bits_of_decoded_o
     assert codec.norm(p, bad, fmt, n) is None
     with pytest.raises(ValueError, match="needs more than"):
         codec.norm(p[:10], s, fmt, n)
+
+
+@pytest.mark.parametrize("fmt", SCALED)
+def test_the_downlink_encoded_chunk_by_chunk_inside_the_step_equals_the_whole_update(fmt: str) -> None:
+    """``Downlink.step`` (each chunk of the outer update encoded, applied and its residual kept
+    as the Nesterov step makes it) against the step's whole update then ``encode_update``: the
+    same message, global values, residual and momentum, bit for bit, over three outer steps of an
+    odd-sized fragment spanning three chunks (the first step has no residual yet)."""
+    from ray_diloco.config import OuterConfig
+    from ray_diloco.core import outer
+    from ray_diloco.core.wire import Downlink
+
+    n = 2 * outer.CHUNK + 3 * BLOCK + 7
+    theta = rng.standard_normal(n).astype(np.float32)
+    a, b = outer.OuterOptimizer([theta], OuterConfig()), outer.OuterOptimizer([theta], OuterConfig())
+    da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
+    for step in range(3):
+        ds = [(rng.standard_normal(n) * 0.01).astype(np.float32) for _ in range(2)]
+        means = [outer.OrderedMean(n), outer.OrderedMean(n)]
+        for mean in means:
+            for d, w in zip(ds, (1.0, 3.0)):
+                mean.add(d, w)
+        _, update = a.step_ordered(0, means[0], keep_update=True)
+        msg_a, norm_a = da.encode_update(a, 0, update)
+        msg_b, norm_b = db.step(b, 0, means[1])
+        assert bytes(msg_a) == bytes(msg_b), step
+        assert torch.equal(a.params[0], b.params[0]) and torch.equal(da.residuals[0], db.residuals[0])
+        assert torch.equal(a.opts[0].state[a.params[0]]["momentum_buffer"], b.opts[0].state[b.params[0]]["momentum_buffer"])
+        assert norm_b == pytest.approx(norm_a, rel=1e-5)
