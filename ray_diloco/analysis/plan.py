@@ -55,6 +55,45 @@ def _describe(names: tuple[str, ...]) -> str:
     return "; ".join(parts)
 
 
+#: Seconds per value and thread of the fused CPU codec (``core.codec``), measured with
+#: ``python benchmarks/codec.py`` (100M values, 2 threads, 2026-12-03; docs/benchmarks.md): the
+#: encode with error feedback (residual in and out) and the decode added into an fp32 buffer
+#: (a receiver's decode; the outer side's check of a pseudo-gradient costs about the same).
+CODEC_S_PER_VALUE = {
+    "fp4_e3m0": {"encode": 2.9e-9, "decode": 0.35e-9},
+    "int8": {"encode": 1.5e-9, "decode": 0.36e-9},
+    "fp8_e4m3": {"encode": 6.8e-9, "decode": 0.38e-9},
+}
+#: Threads the outer side's maths uses (``runtime.outer_shards``: up to 4 of its node's cores).
+OUTER_THREADS = 4
+
+
+def codec_crossover(numel: int, fmt: str, replicas: int, outer_threads: int = OUTER_THREADS) -> dict[str, Any] | None:
+    """Whether a scaled format's exchange beats fp32's end to end, for one sync of ``numel``
+    values with ``replicas`` replicas: the codec's CPU seconds on the critical path (a replica
+    encodes with error feedback and decodes the reply on one core; the outer side checks and
+    decodes ``replicas`` messages and encodes the reply on ``outer_threads``) against the link
+    seconds the smaller messages save; ``crossover_gbps``: the link bandwidth (Gbit/s, per
+    replica, each way) below which the format is faster (the same for every model size: both
+    sides scale with ``numel``). A model of the codec only: fp32's own copies into and out of the
+    object store, which the measured exchange shows cost more than fp4's codec on one machine,
+    are left out, so the figure is conservative. None for an unscaled format."""
+    costs = CODEC_S_PER_VALUE.get(fmt)
+    if costs is None:
+        return None
+    e, d = costs["encode"], costs["decode"]
+    replica_s = numel * (e + d)
+    outer_s = numel * (2 * replicas * d + e) / max(1, outer_threads)
+    saved = 2 * (message_nbytes(numel, "none") - message_nbytes(numel, fmt))  # up + down
+    return {
+        "format": fmt,
+        "replica_codec_s": replica_s,
+        "outer_codec_s": outer_s,
+        "bytes_saved_per_sync": saved,
+        "crossover_gbps": 8 * saved / (replica_s + outer_s) / 1e9,
+    }
+
+
 def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, Any]:
     """The run's fragments, their next ``upcoming`` sync steps after ``from_step`` and the bytes
     one replica sends and receives per sync and over the run.
@@ -118,6 +157,7 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
         "dp_bf16_bytes_per_replica": 2 * dp_equivalent_bytes(n, T, M, 2),
         "dp_formula": DP_FORMULA,
         "fewer_bytes_than_dp_fp32": dp32 / (total_up + total_down) if total_up and dp32 else None,
+        "codec": codec_crossover(max(f.numel for f in frags), fmt, M),
     }
 
 
@@ -155,6 +195,13 @@ def format_plan(p: dict[str, Any]) -> str:
         + (f"; {ratio:,.0f}x fewer bytes than fp32 DP" if ratio else ""),
         f"  ({p['dp_formula']})",
     ]
+    c = p.get("codec")
+    if c:
+        lines.append(
+            f"{c['format']} codec on the host, largest fragment: {c['replica_codec_s']:.3g} s per sync on a replica + "
+            f"{c['outer_codec_s']:.3g} s on the outer side, to save {_fmt_bytes(c['bytes_saved_per_sync'])} per "
+            f"replica: faster than fp32 on links below ~{c['crossover_gbps']:.0f} Gbit/s (benchmarks/codec.py)"
+        )
     if STRATEGIES[p["algorithm"]].all_reduces_every_step:
         lines.insert(1, "note: algorithm dp all-reduces every step; the rows show what DiLoCo would exchange")
     return "\n".join(lines)

@@ -155,6 +155,45 @@ def outer_state_hash(globals_: list[np.ndarray], states: list[dict[str, Any]]) -
     return {"global": hg.hexdigest(), "outer_state": hm.hexdigest()}
 
 
+def _sgd_pass(
+    p: torch.Tensor,
+    mean: OrderedMean,
+    buf: torch.Tensor | None,
+    first: bool,
+    lr: float,
+    mu: float,
+    nesterov: bool,
+    on_update: Callable[[slice, torch.Tensor], None] | None,
+) -> float:
+    """(``OuterOptimizer.step_ordered``) The mean and torch's SGD/Nesterov update of ``p`` (fp32
+    ``[n]``) chunk by chunk in one pass; ``buf`` the momentum buffer (``first``: to be set to the
+    first mean). With ``on_update`` each chunk of ``p`` is left as it was and its update handed to
+    it. Returns the sum of the squared norms of the step directions (fp32 chunk norms in fp64)."""
+    scratch = torch.empty(min(CHUNK, p.numel()), dtype=torch.float32)
+    old = torch.empty_like(scratch) if on_update is not None else scratch
+    part = torch.empty_like(scratch) if on_update is not None else scratch
+    sq = 0.0
+    with torch.no_grad():
+        for sl in _chunks(p.numel()):
+            eff = mean.chunk(sl, scratch)
+            if buf is not None:
+                b = buf[sl]
+                if first:
+                    b.copy_(eff)
+                else:
+                    b.mul_(mu).add_(eff)
+                eff = eff.add_(b, alpha=mu) if nesterov else b
+            pc = p[sl]
+            o = old[: pc.numel()].copy_(pc) if on_update is not None else pc
+            pc.add_(eff, alpha=-lr)
+            sq += float(eff.norm()) ** 2
+            if on_update is not None:  # the update (new - old: bitwise what the step adds); the chunk back to old
+                u = torch.sub(pc, o, out=part[: pc.numel()])
+                pc.copy_(o)
+                on_update(sl, u)
+    return sq
+
+
 class OuterOptimizer:
     """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
 
@@ -206,22 +245,29 @@ class OuterOptimizer:
         the step direction; fp32 chunk norms combined in fp64).
         """
         p, opt = self.params[fragment], self.opts[fragment]
+        if keep_update:  # the whole update, collected from the chunks
+            update = torch.empty(p.numel(), dtype=torch.float32)
+
+            def collect(sl: slice, u: torch.Tensor) -> None:
+                update[sl].copy_(u)
+                if on_update is not None:
+                    on_update(sl, u)
+
+            return self.step_ordered(fragment, mean, average_only, on_update=collect)[0], update
         self.steps[fragment] += 1
         g = opt.param_groups[0]
-        update: torch.Tensor | None
         if not average_only and self.cfg.name == "adam":
             full = mean.take()
             before = p.detach().clone()
             p.grad = full
             opt.step()
             p.grad = None
-            update = p.detach() - before
-            if keep_update or on_update is not None:
+            change = p.detach() - before
+            if on_update is not None:
                 with torch.no_grad():
                     p.copy_(before)
-            if on_update is not None:
-                on_update(slice(0, update.numel()), update)
-            return float(update.norm()), update if keep_update else None
+                on_update(slice(0, change.numel()), change)
+            return float(change.norm()), None
         lr, mu = (1.0, 0.0) if average_only else (g["lr"], g["momentum"])
         buf, first = None, False
         if mu != 0:
@@ -230,41 +276,9 @@ class OuterOptimizer:
             first = buf is None
             if first:
                 state["momentum_buffer"] = buf = torch.empty_like(p.detach())
-        n = p.numel()
-        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
-        keep = keep_update or on_update is not None
-        old = torch.empty_like(scratch) if keep else None
-        update = torch.empty(n, dtype=torch.float32) if keep_update else None
-        part = torch.empty_like(scratch) if on_update is not None else None
-        sq = 0.0
-        with torch.no_grad():
-            for sl in _chunks(n):
-                eff = mean.chunk(sl, scratch)
-                if buf is not None:
-                    b = buf[sl]
-                    if first:
-                        b.copy_(eff)
-                    else:
-                        b.mul_(mu).add_(eff)
-                    eff = eff.add_(b, alpha=mu) if g["nesterov"] else b
-                pc = p.detach()[sl]
-                if keep:
-                    assert old is not None
-                    o = old[: pc.numel()].copy_(pc)
-                pc.add_(eff, alpha=-lr)
-                sq += float(eff.norm()) ** 2
-                if keep:
-                    if on_update is not None:
-                        assert part is not None
-                        u = torch.sub(pc, o, out=part[: pc.numel()])
-                    else:
-                        assert update is not None
-                        u = torch.sub(pc, o, out=update[sl])
-                    pc.copy_(o)
-                    if on_update is not None:
-                        on_update(sl, u)
+        sq = _sgd_pass(p.detach(), mean, buf, first, lr, mu, bool(g["nesterov"]), on_update)
         mean.clear()
-        return lr * math.sqrt(sq), update
+        return lr * math.sqrt(sq), None
 
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state

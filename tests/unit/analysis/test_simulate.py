@@ -160,3 +160,18 @@ def test_link_factor_of_the_ring_the_outer_optimiser_actor_and_its_shards():
         link_factor(Network(1.0, replicas=8, exchange="server", shards=9))
     with pytest.raises(ConfigError, match="exchange = 'mesh'"):
         link_factor(Network(1.0, replicas=8, exchange="mesh"))
+
+
+def test_the_codec_crossover_is_the_bandwidth_where_fp4_saves_what_its_codec_costs():
+    """``plan``'s codec line: the link seconds fp4 saves equal its codec's seconds at the crossover
+    bandwidth, the same for 100M and 10B values (both scale with the size); none has no codec."""
+    from ray_diloco.analysis.plan import codec_crossover
+
+    small, big = codec_crossover(10**8, "fp4_e3m0", 2), codec_crossover(10**10, "fp4_e3m0", 2)
+    assert codec_crossover(10**8, "none", 2) is None
+    assert small["crossover_gbps"] == pytest.approx(big["crossover_gbps"], rel=1e-6)
+    link_s = 8 * small["bytes_saved_per_sync"] / (small["crossover_gbps"] * 1e9)
+    assert link_s == pytest.approx(small["replica_codec_s"] + small["outer_codec_s"])
+    assert small["bytes_saved_per_sync"] == pytest.approx(2 * 10**8 * (4 - 0.5 - 4 / 256), rel=1e-6)
+    # more replicas: more messages for the outer side to check, a lower crossover
+    assert codec_crossover(10**8, "fp4_e3m0", 8)["crossover_gbps"] < small["crossover_gbps"]
