@@ -29,6 +29,7 @@ from ray_diloco.core.quantize import (
     BLOCK,
     SCALED,
     decode,
+    encode_message,
     from_message,
     fused_codec,
     message_nbytes,
@@ -36,6 +37,7 @@ from ray_diloco.core.quantize import (
     quantize_message,
     set_frame_scales,
 )
+from ray_diloco.core.shards import shard_bounds
 
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
 #: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
@@ -136,6 +138,106 @@ def apply_downlink(
         new = as_tensor(decoded) if isinstance(message, np.ndarray) else torch.from_numpy(decoded)
         return new if out is None else out.copy_(new)
     return torch.add(old_global, torch.from_numpy(decoded), out=out)
+
+
+class Uplink:
+    """A replica's side of the uplink (Streaming DiLoCo, arXiv 2501.18512, section 2): encodes each
+    fragment's pseudo-gradient, one message per outer-optimiser slice, and owns its error-feedback
+    residuals. After a send the round's answer settles them: kept when the pseudo-gradient was
+    used, the previous residual restored when it was not (:meth:`settle`).
+
+    Messages: with ``none`` the fp32 values themselves (slices of a host array: zero-copy through
+    the object store; a device tensor is copied into a host buffer first); otherwise the framed
+    bytes of each slice (``quantize.encode_message``: on the host one fused pass, which also
+    writes the new residual), each slice starting at a multiple of ``quantize.BLOCK`` (the same
+    blocks, bits and residual as the whole).
+
+    Args:
+        fmt: ``streaming.quantization``. error_feedback: keep a residual per fragment.
+        shards: ``diloco.outer_shards`` K (``core.shards.shard_bounds``).
+        buffers: a ``core.sync.SyncBuffers`` the residuals (on the host) and host copies come
+            from and go back to (None: fresh tensors).
+    """
+
+    def __init__(self, fmt: str, error_feedback: bool, shards: int = 1, buffers: Any = None):
+        self.fmt, self.error_feedback, self.shards, self.buffers = fmt, error_feedback, shards, buffers
+        self.residuals: dict[int, torch.Tensor] = {}
+        self._before: dict[int, tuple[bool, torch.Tensor | None]] = {}  # fragment -> (encoded, previous residual)
+
+    def encode(self, fragment: int, delta: torch.Tensor, host_copy: bool = False) -> tuple[list[Any] | None, Any]:
+        """The messages of ``fragment``'s pseudo-gradient ``delta`` (fp32 ``[numel_p]``, on its
+        device; ``host_copy``: a ``none`` message goes through a host buffer), one per shard
+        slice, or None when ``delta`` is not finite (the replica abstains); and the tensor to
+        hand back to the buffers once the messages are in the object store.
+
+        Raises:
+            ValueError: ``delta`` plus its residual holds a non-finite value."""
+        before = self.residuals.get(fragment)
+        if before is not None and before.device != delta.device:  # a residual restored from a checkpoint
+            before = before.to(delta.device)
+        if not all_finite(delta):
+            self._before[fragment] = (False, before)
+            return None, delta
+        bounds = shard_bounds(delta.numel(), self.shards)
+        self._before[fragment] = (True, before)
+        if self.fmt == "none":
+            if self.error_feedback:  # fp32 loses nothing: the residual is spent
+                self.residuals.pop(fragment, None)
+            value = delta if before is None else delta + before
+            held = delta  # the buffer given back once sent (the values may be a new sum)
+            if host_copy:  # on the device: into a (pinned) host buffer
+                held = self.buffers.take(value.numel()) if self.buffers is not None else torch.empty(value.numel())
+                value = held.copy_(value)
+            values = value.numpy()
+            return [values[sl] for sl in bounds], held
+        residual = None
+        if self.error_feedback:  # a reused buffer where one can be (no page faults); a new one, as
+            # the previous residual comes back when the round does not use this message
+            on_host = self.buffers is not None and delta.device.type == "cpu"
+            residual = self.buffers.take(delta.numel()) if on_host else torch.empty_like(delta)
+        messages = [
+            encode_message(delta[sl], self.fmt, None if before is None else before[sl], _part(residual, sl))
+            for sl in bounds
+        ]
+        if residual is not None:
+            self.residuals[fragment] = residual
+        return [np.frombuffer(m, np.uint8) if isinstance(m, bytes) else m for m in messages], delta
+
+    def settle(self, fragment: int, used: bool) -> None:
+        """The round of ``fragment``'s last :meth:`encode` is answered: ``used`` (status ok) keeps
+        the new residual (the old one's buffer is given back); otherwise the previous residual
+        is restored (the new one given back)."""
+        encoded, before = self._before.pop(fragment, (False, None))
+        if not self.error_feedback or not encoded:
+            return
+        if used:
+            self._give(before)
+            return
+        dropped = self.residuals.pop(fragment, None)
+        if before is not None:
+            self.residuals[fragment] = before
+        if dropped is not before:
+            self._give(dropped)
+
+    def _give(self, t: torch.Tensor | None) -> None:
+        if self.buffers is not None and t is not None and t.device.type == "cpu":
+            self.buffers.give(t)
+
+    def state_dict(self) -> dict[int, np.ndarray]:
+        """Copies of the residuals (fp32 ``[numel_p]``) by fragment (empty without error
+        feedback). Call when no exchange is in flight."""
+        return {f: r.detach().to("cpu", copy=True).numpy() for f, r in self.residuals.items()}
+
+    def load_state_dict(self, residuals: dict[int, Any]) -> None:
+        """Replace the residuals with copies of fp32 arrays by fragment."""
+        self.residuals = {
+            int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True)) for f, r in residuals.items()
+        }
+
+
+def _part(t: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
+    """``t[sl]`` (a view), or None."""
+    return None if t is None else t[sl]
 
 
 class Downlink:

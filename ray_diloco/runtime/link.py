@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import encode_message
-from ray_diloco.core.shards import exchange_index, shard_bounds
+from ray_diloco.core.shards import exchange_index
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import SyncBuffers
-from ray_diloco.core.wire import OK, Reply, SyncResult, all_finite, decode_reply, link_delay_s, message_size
+from ray_diloco.core.wire import OK, Reply, SyncResult, Uplink, decode_reply, link_delay_s, message_size
 
 
 def resolve_reply(reply: Reply) -> Reply:
@@ -118,12 +117,12 @@ class Link:
     latency_ms: float = 0.0
     shards: int = 1
     buffers: SyncBuffers | None = None
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     stats: LinkStats = field(default_factory=LinkStats)
     units: int = 1
     staging: DeviceStaging | None = None
 
     def __post_init__(self):
+        self.uplink = Uplink(self.fmt, self.error_feedback, self.shards, self.buffers)  # owns the residuals
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
 
@@ -178,14 +177,12 @@ class Link:
         up = 0
         unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
         if self.rank == 0 or self.units > 1:
-            before = self.residuals.get(fragment)
             assert delta is not None  # computed by every sender (core.sync: rank 0, or each rank's rows under FSDP)
             if ready is not None:
                 ready()
             with self.staging.side() if self.staging is not None else nullcontext():
-                parts, host = self._encode(fragment, delta, before)
+                parts, host = self.uplink.encode(fragment, delta, host_copy=self.staging is not None)
             up = 0 if parts is None else sum(message_size(m) for m in parts)
-            encoded = parts is not None  # a new residual was made (with error feedback)
             self._sleep(up)
             refs = None if parts is None else [ray.put(m) for m in parts]  # once; the owners read them in place
             del parts  # the bytes are in the object store: the buffer is free for the next sync
@@ -195,13 +192,7 @@ class Link:
             call = self.driver.exchange.remote(unit, step, self.replica, weight, refs, version, average_only)
             del refs  # the driver holds them now: each is freed as soon as its owner has summed it
             reply = ray.get(call)
-            if reply.status != OK and self.error_feedback:
-                dropped = self.residuals.pop(fragment, None) if encoded else None
-                if before is not None:
-                    self.residuals[fragment] = before
-                self._give(dropped)
-            elif self.error_feedback and encoded:
-                self._give(before)  # replaced by the new residual: its buffer serves the next sync
+            self.uplink.settle(fragment, reply.status == OK)
         else:
             reply = ray.get(self.driver.result.remote(unit, step, self.replica, version, average_only))
         down = reply.nbytes
@@ -215,61 +206,14 @@ class Link:
             self.stats.busy_s += time.perf_counter() - t0
         return SyncResult(new_global, up, down, reply.status, reply.version, staged)
 
-    def _encode(
-        self, fragment: int, delta: torch.Tensor, before: torch.Tensor | None
-    ) -> tuple[list[np.ndarray] | None, torch.Tensor | None]:
-        """The uplink messages, one numpy buffer per outer-optimiser shard (None: non-finite,
-        abstain), and the host buffer they live in (to give back to :attr:`buffers` once sent):
-        with ``none`` slices of the fp32 pseudo-gradient itself (no framing; a device one is
-        copied into a host buffer first); otherwise the framed quantised bytes of each slice,
-        encoded on ``delta``'s device, with error feedback (slices start at multiples of
-        ``quantize.BLOCK``: the same blocks, bits and residual as the whole)."""
-        if before is not None and before.device != delta.device:  # a residual restored from a checkpoint
-            before = before.to(delta.device)
-        if not all_finite(delta):
-            return None, delta
-        bounds = shard_bounds(delta.numel(), self.shards)
-        if self.fmt == "none":
-            if self.error_feedback:  # fp32 loses nothing: the residual is spent
-                self.residuals.pop(fragment, None)
-            value = delta if before is None else delta + before
-            held = delta  # the buffer given back once sent (the values may be a new sum)
-            if self.staging is not None:  # on the device: into a (pinned) host buffer
-                held = self.buffers.take(value.numel()) if self.buffers is not None else torch.empty(value.numel())
-                value = held.copy_(value)
-            values = value.numpy()
-            return [values[sl] for sl in bounds], held
-        # error feedback: the new residual written by the encoder in the same pass (core.codec); a
-        # new tensor, as the old one is restored when the round drops this message
-        residual = None
-        if self.error_feedback:  # a reused buffer where one can be (no page faults)
-            on_host = self.buffers is not None and delta.device.type == "cpu"
-            residual = (
-                self.buffers.take(delta.numel()) if self.buffers is not None and on_host else torch.empty_like(delta)
-            )
-        messages = [
-            encode_message(delta[sl], self.fmt, None if before is None else before[sl], residual_slice(residual, sl))
-            for sl in bounds
-        ]
-        if residual is not None:
-            self.residuals[fragment] = residual
-        return [np.frombuffer(m, np.uint8) for m in messages], delta
-
-    def _give(self, t: torch.Tensor | None) -> None:
-        """Hand a residual no longer used back to the buffers (ignored where it is not theirs)."""
-        if self.buffers is not None and t is not None and t.device.type == "cpu":
-            self.buffers.give(t)
-
     def residual_state(self) -> dict[int, np.ndarray]:
         """Copies of the error-feedback residuals (fp32 ``[numel_p]``) by fragment (rank 0; empty
-        without error feedback). Call when no exchange is in flight."""
-        return {f: r.detach().to("cpu", copy=True).numpy() for f, r in self.residuals.items()}
+        without error feedback; ``core.wire.Uplink``). Call when no exchange is in flight."""
+        return self.uplink.state_dict()
 
     def load_residual_state(self, residuals: dict[int, Any]) -> None:
         """Replace the error-feedback residuals with copies of fp32 arrays by fragment."""
-        self.residuals = {
-            int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True)) for f, r in residuals.items()
-        }
+        self.uplink.load_state_dict(residuals)
 
     def take_stats(self) -> dict[str, Any]:
         """The counters since the last call, then reset."""
@@ -280,8 +224,3 @@ class Link:
     def close(self) -> None:
         """Stop the thread (pending exchanges are abandoned)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def residual_slice(residual: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
-    """``residual[sl]`` (a view), or None without error feedback."""
-    return None if residual is None else residual[sl]

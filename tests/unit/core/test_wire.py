@@ -70,3 +70,35 @@ def test_all_finite_in_one_pass_and_on_an_overflowing_sum():
         y = x.clone()
         y[1234] = bad
         assert not all_finite(y)
+
+
+def test_the_uplink_keeps_its_residual_when_used_and_restores_the_previous_one_when_not():
+    """``Uplink`` with error feedback and K = 2 slices: the first send's residual is what the
+    encoding lost; a dropped round restores the residual before it (its buffer back to the pool);
+    an abstention (non-finite) leaves it; the slices' messages decode to the whole's bits."""
+    import numpy as np
+    import torch
+
+    from ray_diloco.core.quantize import decode, encode, from_message
+    from ray_diloco.core.sync import SyncBuffers
+    from ray_diloco.core.wire import Uplink
+
+    buffers = SyncBuffers()
+    up = Uplink("fp4_e3m0", True, shards=2, buffers=buffers)
+    d = torch.from_numpy(np.random.default_rng(3).standard_normal(1000).astype(np.float32))
+    parts, _ = up.encode(0, d)
+    whole = decode(encode(d, "fp4_e3m0"))
+    got = np.concatenate([decode(from_message(p)) for p in parts])
+    assert len(parts) == 2 and np.array_equal(got, whole)
+    first = up.residuals[0]
+    assert torch.equal(first, d - torch.from_numpy(whole))
+    up.settle(0, True)
+    parts, _ = up.encode(0, d)  # second round: d + residual encoded
+    assert not torch.equal(up.residuals[0], first)
+    up.settle(0, False)  # dropped: the first residual back
+    assert up.residuals[0] is first and buffers.allocated == 2
+    bad = d.clone()
+    bad[7] = float("nan")
+    assert up.encode(0, bad)[0] is None
+    up.settle(0, False)
+    assert up.residuals[0] is first
