@@ -340,9 +340,12 @@ class Trainer:
                 self.state.evals.append((k, self.state.last_eval))
                 row["eval_loss"] = self.state.last_eval
             saved = is_due(k, cfg.run.checkpoint_every, last)
+            # the row before the checkpoint: a run killed between the two resumes from the previous
+            # checkpoint and drops the row (launcher._truncate_metrics); the other order lost the
+            # row of a checkpoint whose run was killed right after it
+            tracker.log(row)
             if saved:
                 self.checkpoint()
-            tracker.log(row)
             if saved and self.mirror is not None:  # after the row: the stored metrics reach the checkpoint
                 self.mirror.sync()
             if self.on_outer_step is not None:
