@@ -340,10 +340,7 @@ class Trainer:
                 self.state.evals.append((k, self.state.last_eval))
                 row["eval_loss"] = self.state.last_eval
             saved = is_due(k, cfg.run.checkpoint_every, last)
-            # the row before the checkpoint: a run killed between the two resumes from the previous
-            # checkpoint and drops the row (launcher._truncate_metrics); the other order lost the
-            # row of a checkpoint whose run was killed right after it
-            tracker.log(row)
+            tracker.log(row)  # before the checkpoint: a kill between them resumes from the previous one
             if saved:
                 self.checkpoint()
             if saved and self.mirror is not None:  # after the row: the stored metrics reach the checkpoint
