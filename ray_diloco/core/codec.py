@@ -29,7 +29,10 @@ machine code in well under a second.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from typing import Any
 
 import numba
 import numpy as np
@@ -266,6 +269,21 @@ def _table(fmt: str) -> np.ndarray:
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
+_LAYER_LOCK = threading.Lock()
+
+
+def _serial() -> Any:
+    """A lock around a kernel call where numba's threading layer is ``workqueue`` (not thread
+    safe: two threads of one process launching kernels at once abort it; the outer side checks
+    messages on several threads while it steps); nothing with ``omp`` (torch ships libgomp) or
+    ``tbb``."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet: the first call serialises
+        return _LAYER_LOCK
+    return _LAYER_LOCK if layer == "workqueue" else contextlib.nullcontext()
+
+
 def _threads() -> None:
     """numba's threads follow torch's (a Ray actor's CPU share), never more than numba started."""
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
@@ -306,21 +324,22 @@ def _encode(
     in_place = params is not None or (
         new_residual is not None and residual is not None and np.shares_memory(new_residual, residual)
     )
-    if in_place and _scale_pass(x, r, MAX[fmt], scales):
-        raise _nonfinite(x, residual)
-    bad, sq = _code_pass(
-        x,
-        r,
-        _EMPTY if new_residual is None else new_residual.reshape(-1),
-        _EMPTY if params is None else params.reshape(-1),
-        _KIND[fmt],
-        MAX[fmt],
-        _POW2,
-        _table(fmt),
-        payload,
-        scales,
-        in_place,
-    )
+    with _serial():
+        bad = bool(in_place and _scale_pass(x, r, MAX[fmt], scales))
+        if not bad:
+            bad, sq = _code_pass(
+                x,
+                r,
+                _EMPTY if new_residual is None else new_residual.reshape(-1),
+                _EMPTY if params is None else params.reshape(-1),
+                _KIND[fmt],
+                MAX[fmt],
+                _POW2,
+                _table(fmt),
+                payload,
+                scales,
+                in_place,
+            )
     if bad:
         raise _nonfinite(x, residual)
     return payload, scales, float(np.sqrt(sq))
@@ -381,7 +400,8 @@ def decode_into(
         raise ValueError(f"decode start {start} is not a multiple of {BLOCK}")
     if out.size:
         _threads()
-        _decode(payload, scales, _KIND[fmt], _table(fmt), start, out.reshape(-1), accumulate)
+        with _serial():
+            _decode(payload, scales, _KIND[fmt], _table(fmt), start, out.reshape(-1), accumulate)
     return out
 
 
@@ -398,5 +418,6 @@ def norm(payload: np.ndarray, scales: np.ndarray, fmt: str, numel: int) -> float
             f"an encoding of {numel} {fmt} values needs more than {payload.size} bytes and {scales.size} scales"
         )
     _threads()
-    bad, sq = _norm(payload, scales[: -(-numel // BLOCK)], _KIND[fmt], _table(fmt), numel)
+    with _serial():
+        bad, sq = _norm(payload, scales[: -(-numel // BLOCK)], _KIND[fmt], _table(fmt), numel)
     return None if bad or not np.isfinite(sq) else float(np.sqrt(sq))

@@ -155,3 +155,34 @@ def test_the_downlink_encoded_chunk_by_chunk_inside_the_step_equals_the_whole_up
         assert torch.equal(a.params[0], b.params[0]) and torch.equal(da.residuals[0], db.residuals[0])
         assert torch.equal(a.opts[0].state[a.params[0]]["momentum_buffer"], b.opts[0].state[b.params[0]]["momentum_buffer"])
         assert norm_b == pytest.approx(norm_a, rel=1e-5)
+
+
+def test_kernels_called_from_several_threads_are_serialised_under_numbas_workqueue_layer():
+    """The outer side checks messages on several threads while it steps: with numba's
+    ``workqueue`` threading layer (not thread safe; a machine without libgomp or TBB gets it)
+    concurrent kernel launches abort the process unless ``codec`` serialises them (checked:
+    without the lock this script is killed)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import threading
+        import numpy as np
+        import numba
+        from ray_diloco.core import codec
+        x = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+        p, s = codec.encode(x, "fp4_e3m0")
+        def work():
+            for _ in range(10):
+                codec.norm(p, s, "fp4_e3m0", x.size)
+                codec.encode(x, "fp4_e3m0")
+        ts = [threading.Thread(target=work) for _ in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print(numba.threading_layer(), "ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NUMBA_THREADING_LAYER": "workqueue"})
+    assert out.returncode == 0 and out.stdout.strip() == "workqueue ok", out.stderr[-2000:]
