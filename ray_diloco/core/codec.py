@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-BLOCK = 256  # values per scale block (core.quantize.BLOCK)
+from ray_diloco.core.quantize import BLOCK  # values per scale block (the kernels index by 256)
+
 #: Largest finite value of each scaled format (the scale maps a block's absmax onto it).
 MAX = {"fp4_e3m0": 16.0, "int8": 127.0, "fp8_e4m3": 448.0}
 _KIND = {"fp4_e3m0": 0, "int8": 1, "fp8_e4m3": 2}

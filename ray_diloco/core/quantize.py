@@ -42,8 +42,7 @@ FORMATS = QUANTIZATION_FORMATS
 _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
-_SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
-SCALED = _SCALED
+SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
 
 
 def fused_codec() -> Any:
@@ -86,7 +85,7 @@ def _scales(blocks: torch.Tensor, max_value: float) -> torch.Tensor:
 def _host(x: torch.Tensor, fmt: str) -> bool:
     """Whether the fused CPU codec (``core.codec``) encodes or decodes ``x``: a scaled format on
     the host."""
-    return fmt in _SCALED and x.device.type == "cpu"
+    return fmt in SCALED and x.device.type == "cpu"
 
 
 def encode_tensor(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +156,7 @@ def encode(x: np.ndarray | torch.Tensor, fmt: str) -> Packed:
         if isinstance(x, torch.Tensor)
         else torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1))
     )
-    if fmt not in _SCALED:  # the fused codec checks as it encodes
+    if fmt not in SCALED:  # the fused codec checks as it encodes
         _check_finite(t)
     payload, scales = encode_tensor(t, fmt)
     return Packed(fmt, t.numel(), payload.numpy(), scales.numpy())
@@ -258,7 +257,7 @@ def from_message(msg: bytes) -> Packed:
     if magic != _MAGIC or fid >= len(FORMATS):
         raise ValueError("not a ray-diloco wire message (bad magic or format id)")
     fmt = FORMATS[fid]
-    n_scales = -(-numel // BLOCK) if fmt in _SCALED else 0
+    n_scales = -(-numel // BLOCK) if fmt in SCALED else 0
     width = message_nbytes(numel, fmt) - _HEADER.size - 4 * n_scales
     if len(msg) != message_nbytes(numel, fmt):
         raise ValueError(f"wire message of {len(msg)} bytes does not match its header ({fmt}, {numel} values)")
@@ -346,6 +345,6 @@ def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | N
 
 def message_nbytes(numel: int, fmt: str) -> int:
     """Length of :func:`to_message` for ``numel`` values in ``fmt`` (header + scales + payload)."""
-    n_scales = -(-numel // BLOCK) if fmt in _SCALED else 0
+    n_scales = -(-numel // BLOCK) if fmt in SCALED else 0
     width = {"none": 4 * numel, "bf16": 2 * numel, "fp8_e4m3": numel, "int8": numel, "fp4_e3m0": (numel + 1) // 2}[fmt]
     return _HEADER.size + 4 * n_scales + width

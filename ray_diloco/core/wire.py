@@ -316,23 +316,6 @@ class Downlink:
             raise ValueError("streaming.quantization = 'none': the reply is the global fragment, not an update")
         residual = self.residuals[fragment]
         p = opt.params[fragment].detach()
-        if self.fmt in SCALED and p.device.type == "cpu" and update.device.type == "cpu":  # one fused pass
-            if self.error_feedback and residual is None:
-                residual_out: torch.Tensor | None = torch.empty_like(update)
-            else:
-                residual_out = residual if self.error_feedback else None
-            message, payload = new_frame(self.fmt, update.numel())
-            with torch.no_grad():
-                _, scales, norm = fused_codec().apply_update(
-                    update.reshape(-1).numpy(),
-                    None if residual is None else residual.numpy(),
-                    p.reshape(-1).numpy(),
-                    self.fmt,
-                    None if residual_out is None else residual_out.numpy(),
-                    payload,
-                )
-            self.residuals[fragment] = residual_out
-            return set_frame_scales(message, scales), norm
         value = update if residual is None else update + residual
         del update
         framed, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
