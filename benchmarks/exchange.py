@@ -33,6 +33,12 @@ its sync step. For each (P, M, format, K):
   is pinned to the job's node; K > 1 shards go to the replicas' nodes), and N - 1 nodes for the
   replicas, each with its own raylet and object store, so pseudo-gradients and replies cross the
   object manager between stores as on a real cluster (``nodes`` in each row);
+- ``--store warm`` (default): every node's object store is preallocated
+  (``RAY_preallocate_plasma_memory=1``: its shared-memory pages are faulted in when the node
+  starts), as a long run's store is after its first outer steps; with ``--store cold`` the syncs
+  measured also pay the first touch of the pages each new object lands on (at 100M about 2.4 s
+  per sync for the first few, a second now and then after: ``benchmarks/sync_profile.py``'s
+  ``put_cold``), which flattered the formats that put fewer bytes (``store`` in each row);
 - ``copy_u``: with K > 1 and ``diloco.outer_shard_backup`` on (``--backup on off`` measures both),
   the bytes of the copies the shards keep of each other's state (``runtime.outer_shards``), in U;
   each outer step sends as many bytes between the shards;
@@ -43,7 +49,7 @@ its sync step. For each (P, M, format, K):
 
     python benchmarks/exchange.py [--params 1e6 1e7 1e8] [--replicas 2 4] [--formats none fp4_e3m0]
                                   [--shards 1 2] [--backup on off] [--step-s 0] [--outer-steps 4]
-                                  [--nodes 1] [--json PATH]
+                                  [--nodes 1] [--store warm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -272,18 +278,23 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
     ap.add_argument("--nodes", type=int, default=1,
                     help="Ray nodes: 1 (local), or a head without CPUs + N - 1 replica nodes (ray.cluster_utils.Cluster)")
+    ap.add_argument("--store", choices=("warm", "cold"), default="warm",
+                    help="warm: every node's object store preallocated (its pages faulted in at start, as a long "
+                         "run's are after its first outer steps); cold: the syncs measured pay the first touches")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    if args.store == "warm":  # read by every raylet this process starts (the local one, or the Cluster's)
+        os.environ["RAY_preallocate_plasma_memory"] = "1"
 
     import ray
 
     from ray_diloco.components.data import load_corpus
 
     cluster = None
+    store = int(min(6e9, max(1e9, 8 * 4 * max(args.params))))  # per node: a few messages of the largest P
     if args.nodes > 1:  # every node its own raylet and object store: transfers cross the object manager
         from ray.cluster_utils import Cluster
 
-        store = int(min(6e9, max(1e9, 8 * 4 * max(args.params))))  # per node: a few messages of the largest P
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
         per_node = -(-max(args.replicas) // (args.nodes - 1))
         for _ in range(args.nodes - 1):
@@ -291,7 +302,8 @@ def main() -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
     else:
-        ray.init(num_cpus=max(args.replicas) + 1, include_dashboard=False, logging_level="ERROR")
+        ray.init(num_cpus=max(args.replicas) + 1, object_store_memory=store, include_dashboard=False,
+                 logging_level="ERROR")
     cfg0 = _config(1000, 2, "none", 2, "/tmp")
     corpus = load_corpus(cfg0.data)
     skip = {(int(float(p)), int(m)) for p, m in (s.split(":") for s in args.skip)}
@@ -312,7 +324,7 @@ def main() -> None:
                 if k == 1 and b == "off" and "on" in args.backup:
                     continue  # K = 1 keeps no copies: the same run
                 r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s)
-                row = {"params": p, "replicas": m, "nodes": args.nodes, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
+                row = {"params": p, "replicas": m, "nodes": args.nodes, "store": args.store, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
                        "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"],
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
