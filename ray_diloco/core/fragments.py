@@ -137,6 +137,43 @@ def pseudo_gradient(
     return out
 
 
+class PseudoGradient:
+    """``global - local`` of one fragment, read a range at a time (fp32, on ``global_flat``'s
+    device) instead of into a fragment-sized buffer (DiLoCo, arXiv 2311.08105, Algorithm 1 line
+    8): a transport that encodes chunk by chunk (``core.wire.Uplink``) reads it while the
+    parameters stay put. :meth:`read` of every range gives the bits of :func:`pseudo_gradient`.
+
+    Args:
+        global_flat: the fragment's global values (fp32 ``[fragment.numel]``).
+        params: the replica's parameters by name; they and ``global_flat`` must not change until
+            the reader is done.
+        fragment: the fragment.
+    """
+
+    def __init__(self, global_flat: torch.Tensor, params: dict[str, torch.Tensor], fragment: Fragment):
+        self.global_flat, self.params, self.fragment = global_flat, params, fragment
+        self.numel = fragment.numel
+        self.device = global_flat.device
+        self._starts = np.cumsum([0] + [p.numel for p in fragment.params])
+
+    def read(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Values ``[lo, hi)`` written into ``out[: hi - lo]`` (fp32, on :attr:`device`) and
+        returned (a view of ``out``)."""
+        dest = out[: hi - lo]
+        first = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        for i in range(max(first, 0), len(self.fragment.params)):
+            a, b = int(self._starts[i]), int(self._starts[i + 1])
+            if a >= hi:
+                break
+            s, e = max(lo, a), min(hi, b)
+            if s >= e:
+                continue
+            p = self.fragment.params[i]
+            local = self.params[p.name].detach().reshape(-1)[s - a : e - a].to(self.device, torch.float32)
+            torch.sub(self.global_flat[s:e], local, out=dest[s - lo : e - lo])
+        return dest
+
+
 def unflatten_into(params: dict[str, torch.Tensor], fragment: Fragment, flat: torch.Tensor) -> None:
     """Copy ``flat`` (``[fragment.numel]``, any float dtype, any device) into the parameters in place.
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
-from ray_diloco.core.fragments import Fragment, flatten, pseudo_gradient, tensor_hash, unflatten_into
+from ray_diloco.core.fragments import Fragment, PseudoGradient, flatten, pseudo_gradient, tensor_hash, unflatten_into
 from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.wire import FAILED, OK, REJECTED, SyncResult, as_tensor
@@ -53,15 +53,21 @@ class Transport(Protocol):
     or a tensor with storage of its own; ``average_only``: a closing round. With error
     feedback the transport keeps a residual per fragment, which ``residual_state`` /
     ``load_residual_state`` checkpoint (fp32 ``[numel_p]`` arrays by fragment; empty without
-    error feedback).
+    error feedback). ``reads_lazily``: ``delta`` may instead be a ``core.fragments.PseudoGradient``
+    (read chunk by chunk while the parameters stay put), which the replica gives when the merge
+    of the sync is at its send step (no overlap: the training thread waits for the future).
     """
+
+    @property
+    def reads_lazily(self) -> bool:
+        """Whether ``delta`` may be a ``core.fragments.PseudoGradient``."""
 
     def exchange(
         self,
         fragment: int,
         step: int,
         weight: float,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor | PseudoGradient | None,
         old_global: torch.Tensor,
         version: int = 0,
         average_only: bool = False,
@@ -338,8 +344,11 @@ class FragmentSync:
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
         # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
         # globals computed on the device and handed to the transport there (core.staging)
-        delta, ready = None, None
-        if self.rank == 0 and self.staging is None:
+        delta: Any = None
+        ready = None
+        if self.rank == 0 and self.staging is None and self.transport.reads_lazily and self._waits_for(t):
+            delta = PseudoGradient(g, self.params, frag)  # read as it is encoded: no fragment-sized buffer
+        elif self.rank == 0 and self.staging is None:
             delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel))
         elif self.rank == 0:
             assert self.staging is not None  # the branch above takes None
@@ -355,6 +364,13 @@ class FragmentSync:
             self.trace.append(
                 {"fragment": f, "send_step": t, "old_global": g.clone(), "local_at_send": flatten(self.params, frag)}
             )
+
+    def _waits_for(self, t: int) -> bool:
+        """Whether the training thread does nothing but wait for the one sync it starts at step
+        ``t`` until it is answered (no overlap, one fragment sent, nothing else pending): the
+        parameters stay put while a transport reads the pseudo-gradient lazily."""
+        assert self.schedule is not None  # attached
+        return self.schedule.apply_step(t) == t and len(self.schedule.sends_at(t)) == 1 and not self.pending
 
     def _merge(self, e: PendingSync) -> float:
         """Merge a finished sync by its status (see the module); returns seconds blocked."""

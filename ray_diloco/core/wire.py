@@ -39,6 +39,8 @@ from ray_diloco.core.quantize import (
 )
 from ray_diloco.core.shards import shard_bounds
 
+CHUNK = 1 << 20  # values a lazily read pseudo-gradient is encoded by (a multiple of BLOCK)
+
 #: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
 #: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
 #: as the framed message's bytes).
@@ -163,16 +165,22 @@ class Uplink:
         self.fmt, self.error_feedback, self.shards, self.buffers = fmt, error_feedback, shards, buffers
         self.residuals: dict[int, torch.Tensor] = {}
         self._before: dict[int, tuple[bool, torch.Tensor | None]] = {}  # fragment -> (encoded, previous residual)
+        self._deferred: dict[int, tuple[Any, list[Any]]] = {}  # fragment -> (lazy delta, messages): residual at settle
 
-    def encode(self, fragment: int, delta: torch.Tensor, host_copy: bool = False) -> tuple[list[Any] | None, Any]:
+    def encode(self, fragment: int, delta: Any, host_copy: bool = False) -> tuple[list[Any] | None, Any]:
         """The messages of ``fragment``'s pseudo-gradient ``delta`` (fp32 ``[numel_p]``, on its
         device; ``host_copy``: a ``none`` message goes through a host buffer), one per shard
         slice, or None when ``delta`` is not finite (the replica abstains); and the tensor to
-        hand back to the buffers once the messages are in the object store.
+        hand back to the buffers once the messages are in the object store. ``delta`` may be a
+        ``core.fragments.PseudoGradient`` on the host when the format is scaled
+        (:meth:`reads_lazily`): it is read and encoded a chunk at a time (no fragment-sized
+        buffer; the same bytes and residual), and None is handed back.
 
         Raises:
             ValueError: ``delta`` plus its residual holds a non-finite value."""
         before = self.residuals.get(fragment)
+        if not isinstance(delta, torch.Tensor):
+            return self._encode_chunks(fragment, delta, before), None
         if before is not None and before.device != delta.device:  # a residual restored from a checkpoint
             before = before.to(delta.device)
         if not all_finite(delta):
@@ -203,10 +211,74 @@ class Uplink:
             self.residuals[fragment] = residual
         return [np.frombuffer(m, np.uint8) if isinstance(m, bytes) else m for m in messages], delta
 
+    def reads_lazily(self) -> bool:
+        """Whether :meth:`encode` takes a ``core.fragments.PseudoGradient`` (a scaled format:
+        the codec reads the pseudo-gradient chunk by chunk)."""
+        return self.fmt in SCALED
+
+    def _encode_chunks(self, fragment: int, src: Any, before: torch.Tensor | None) -> list[Any] | None:
+        """:meth:`encode` of a ``PseudoGradient`` on the host: each :data:`CHUNK` values (a
+        multiple of ``BLOCK``: the same blocks as the whole) read into a scratch buffer, checked
+        and encoded (plus the residual) straight into its shard slice's message; None when a value
+        is not finite. The new residual is not written here: :meth:`settle` writes it over the
+        previous one when the round used the message (no second residual kept for a rollback)."""
+        if src.device.type != "cpu" or not self.reads_lazily():
+            raise ValueError(f"a lazily read pseudo-gradient needs a scaled format on the host, got {self.fmt}")
+        n, codec = src.numel, fused_codec()
+        scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
+        messages = []
+        for sl in shard_bounds(n, self.shards):
+            frame, payload = new_frame(self.fmt, sl.stop - sl.start)
+            scales = np.empty(-(-(sl.stop - sl.start) // BLOCK), dtype=np.float32)
+            for lo, hi in _spans(sl):
+                x = src.read(lo, hi, scratch)
+                if not all_finite(x):  # the replica abstains; the residual stays as it was
+                    self._before[fragment] = (False, before)
+                    return None
+                off, off_end = lo - sl.start, hi - sl.start
+                _, sc = codec.encode(
+                    x.numpy(),
+                    self.fmt,
+                    None if before is None else before[lo:hi].numpy(),
+                    None,
+                    payload[codec.payload_nbytes(off, self.fmt) : codec.payload_nbytes(off_end, self.fmt)],
+                )
+                scales[off // BLOCK : off // BLOCK + sc.size] = sc
+            messages.append(set_frame_scales(frame, scales))
+        self._before[fragment] = (False, before)  # nothing to roll back
+        if self.error_feedback:
+            self._deferred[fragment] = (src, messages)
+        return messages
+
+    def _residual_in_place(self, fragment: int, src: Any, messages: list[Any]) -> None:
+        """(:meth:`settle`, a used lazily read message) The new residual ``(delta + residual) -
+        dequantised``, a chunk at a time, over the previous residual (a new buffer the first time):
+        the bits the encoder's pass writes (``core.codec.encode``)."""
+        n, codec = src.numel, fused_codec()
+        residual = self.residuals.get(fragment)
+        first = residual is None
+        if residual is None:
+            residual = self.buffers.take(n) if self.buffers is not None else torch.empty(n)
+        scratch, sent = torch.empty(min(CHUNK, n)), torch.empty(min(CHUNK, n))
+        for sl, message in zip(shard_bounds(n, self.shards), messages):
+            packed = from_message(message)
+            for lo, hi in _spans(sl):
+                x, r = src.read(lo, hi, scratch), residual[lo:hi]
+                d = sent[: hi - lo]
+                codec.decode_into(packed.payload, packed.scales, self.fmt, d.numpy(), start=lo - sl.start)
+                if first:
+                    torch.sub(x, d, out=r)
+                else:
+                    torch.add(x, r, out=r).sub_(d)
+        self.residuals[fragment] = residual
+
     def settle(self, fragment: int, used: bool) -> None:
         """The round of ``fragment``'s last :meth:`encode` is answered: ``used`` (status ok) keeps
         the new residual (the old one's buffer is given back); otherwise the previous residual
         is restored (the new one given back)."""
+        deferred = self._deferred.pop(fragment, None)
+        if deferred is not None and used:
+            self._residual_in_place(fragment, *deferred)
         encoded, before = self._before.pop(fragment, (False, None))
         if not self.error_feedback or not encoded:
             return
@@ -233,6 +305,12 @@ class Uplink:
         self.residuals = {
             int(f): torch.from_numpy(np.array(r, dtype=np.float32, copy=True)) for f, r in residuals.items()
         }
+
+
+def _spans(sl: slice):
+    """``(lo, hi)`` of each :data:`CHUNK` values of ``sl``."""
+    for lo in range(sl.start, sl.stop, CHUNK):
+        yield lo, min(lo + CHUNK, sl.stop)
 
 
 def _part(t: torch.Tensor | None, sl: slice) -> torch.Tensor | None:

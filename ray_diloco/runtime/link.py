@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_diloco.core.fragments import PseudoGradient
 from ray_diloco.core.shards import exchange_index
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import SyncBuffers
@@ -126,12 +127,18 @@ class Link:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
 
+    @property
+    def reads_lazily(self) -> bool:
+        """(``core.sync.Transport``) A pseudo-gradient may come as a ``core.fragments.PseudoGradient``:
+        a scaled format encoded on the host by one sender per fragment (``core.wire.Uplink``)."""
+        return self.staging is None and self.units == 1 and self.uplink.reads_lazily()
+
     def exchange(
         self,
         fragment: int,
         step: int,
         weight: float,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor | PseudoGradient | None,
         old_global: torch.Tensor,
         version: int = 0,
         average_only: bool = False,
@@ -165,7 +172,7 @@ class Link:
         fragment: int,
         step: int,
         weight: float,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor | PseudoGradient | None,
         old_global: torch.Tensor,
         version: int,
         average_only: bool,

@@ -112,6 +112,7 @@ class MemoryTransport:
         self.exchanges = 0
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.buffers = None  # FragmentSync.buffers, used as runtime/link.py's Link uses them
+        self.reads_lazily = False  # a materialised pseudo-gradient (core.wire.Uplink reads lazily)
 
     def exchange(self, fragment, step, weight, delta, old_global, version=0, average_only=False, ready=None) -> Future:
         return self.pool.submit(self._run, fragment, step, weight, delta, old_global, version, average_only, ready)

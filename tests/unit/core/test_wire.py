@@ -102,3 +102,43 @@ def test_the_uplink_keeps_its_residual_when_used_and_restores_the_previous_one_w
     assert up.encode(0, bad)[0] is None
     up.settle(0, False)
     assert up.residuals[0] is first
+
+
+@pytest.mark.parametrize("fmt", ["fp4_e3m0", "int8", "fp8_e4m3"])
+def test_a_lazily_read_pseudo_gradient_encodes_to_the_bytes_and_residual_of_the_buffer(fmt):
+    """``Uplink.encode`` of a ``PseudoGradient`` (global - local read a chunk at a time, no
+    fragment-sized buffer) gives the messages and, once the round is settled, the error-feedback
+    residual of the same pseudo-gradient computed into a buffer (written over the previous one at
+    the settle, not at the encode): over several chunks (``wire.CHUNK``), parameter boundaries
+    that are not block boundaries, K = 2 slices, rounds with a residual, a dropped round; a
+    non-finite value anywhere abstains (None) and leaves the residual as it was."""
+    import numpy as np
+    import torch
+
+    from ray_diloco.core.fragments import Fragment, ParamSpec, PseudoGradient, pseudo_gradient
+    from ray_diloco.core.wire import CHUNK, Uplink
+
+    rng = np.random.default_rng(5)
+    sizes = [1000, CHUNK + 777, 333, CHUNK // 2 + 1]
+    frag = Fragment(0, tuple(ParamSpec(f"p{i}", (n,)) for i, n in enumerate(sizes)))
+    glob = torch.from_numpy(rng.standard_normal(frag.numel, dtype=np.float32))
+    params = {f"p{i}": torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) for i, n in enumerate(sizes)}
+    eager, lazy = Uplink(fmt, True, shards=2), Uplink(fmt, True, shards=2)
+    for used in (True, False, True):  # later rounds add the residual; a dropped round keeps it
+        want, _ = eager.encode(0, pseudo_gradient(glob, params, frag))
+        got, held = lazy.encode(0, PseudoGradient(glob, params, frag))
+        assert held is None and len(got) == len(want) == 2
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+        kept = lazy.residuals.get(0)
+        kept = None if kept is None else kept.clone()
+        eager.settle(0, used), lazy.settle(0, used)  # the lazy residual is written here, over the old one
+        assert torch.equal(lazy.residuals[0], eager.residuals[0])
+        if not used:
+            assert torch.equal(lazy.residuals[0], kept)
+        for p in params.values():
+            p.add_(0.01)
+    kept = lazy.residuals[0].clone()
+    params["p3"][-1] = float("inf")  # in the last chunk: earlier chunks were encoded already
+    assert lazy.encode(0, PseudoGradient(glob, params, frag))[0] is None
+    lazy.settle(0, False)
+    assert torch.equal(lazy.residuals[0], kept)
