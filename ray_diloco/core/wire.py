@@ -428,11 +428,11 @@ class Reply:
             completed without it: late, timed out, or not expected), ``rejected`` (it was not
             finite: reset to the global parameters), ``failed`` (no quorum: no outer step).
         version: the fragment's global version the receiver holds after applying ``message``.
-        message: the downlink (a :data:`Message`): the quantised outer update (``resync``
-            False), the fp32 global fragment (format ``none``, or ``resync`` True), or None
-            (nothing to apply); with K outer-optimiser shards a list of K messages, one per
-            slice (``core.shards.shard_bounds``). The runtime sends it as one shared object-store reference
-            (resolve it with ``runtime.link.resolve_reply`` before decoding).
+        message: the downlink: a list of K :data:`Message` s, one per outer-optimiser shard's
+            slice (``core.shards.shard_bounds``; K = 1: one), each the quantised outer update
+            (``resync`` False) or the fp32 values (format ``none``, or ``resync`` True); or None
+            (nothing to apply). The runtime sends each as one object-store reference shared by
+            every receiver (resolve them with ``runtime.link.resolve_reply`` before decoding).
         resync: ``message`` is a full-precision copy of the global fragment.
         size: bytes the message counts for (-1: :func:`message_size` of ``message``).
     """
@@ -446,7 +446,9 @@ class Reply:
     @property
     def nbytes(self) -> int:
         """Bytes on the wire for this reply (the message; 0 without one)."""
-        return self.size if self.size >= 0 else message_size(self.message)
+        if self.size >= 0 or self.message is None:
+            return max(self.size, 0)
+        return sum(message_size(m) for m in self.message)
 
 
 def message_numel(message: Message) -> int:
@@ -463,12 +465,12 @@ def decode_reply(
     old_global: torch.Tensor, reply: Reply, alloc: Callable[[int], torch.Tensor] | None = None
 ) -> torch.Tensor:
     """The global fragment a receiver holds after ``reply`` (fp32 ``[numel_p]``): unchanged
-    without a message, the resync values, or :func:`apply_downlink` ``(old, message)``; a list
-    of messages (``diloco.outer_shards`` K > 1) is one per shard's slice, in order, each
-    decoded the same way into its slice of a new tensor (element-wise: the same bits as K = 1).
-    A ``none`` message of one part is a read-only view of it; a new tensor, where one is needed,
-    comes from ``alloc(numel)`` (default ``torch.empty``; ``core.sync.SyncBuffers.take``
-    reuses buffers) and must not alias ``old_global``.
+    without a message; else each of its K messages (one per shard's slice, in order) decoded
+    into its slice: the resync values, or :func:`apply_downlink` ``(old, message)``
+    (element-wise: the same bits whatever K). One ``none`` message (K = 1) gives a read-only
+    view of it, nothing allocated; a new tensor, where one is needed, comes from
+    ``alloc(numel)`` (default ``torch.empty``; ``core.sync.SyncBuffers.take`` reuses buffers)
+    and must not alias ``old_global``.
 
     Raises:
         ValueError: malformed message or wrong number of values.
@@ -476,34 +478,40 @@ def decode_reply(
     if reply.message is None:
         return old_global
     n_all = old_global.numel()
-    if isinstance(reply.message, list):  # K outer-optimiser shards: one message per slice, in order
-        out, start = _new(alloc, n_all), 0
-        for part in reply.message:
-            n = message_numel(part)
-            if start + n > n_all:
-                raise ValueError(f"shard replies have more values than the fragment's {n_all}")
-            dest = out[start : start + n]
+    if len(reply.message) == 1:
+        return _decode_part(old_global, reply.message[0], reply.resync, alloc)
+    out, start = _new(alloc, n_all), 0
+    for part in reply.message:
+        n = message_numel(part)
+        if start + n > n_all:
+            raise ValueError(f"shard replies have more values than the fragment's {n_all}")
+        dest = out[start : start + n]
 
-            def into_dest(_n: int, d: torch.Tensor = dest) -> torch.Tensor:
-                return d
+        def into_dest(_n: int, d: torch.Tensor = dest) -> torch.Tensor:
+            return d
 
-            piece = decode_reply(
-                old_global[start : start + n], Reply(reply.status, reply.version, part, reply.resync), alloc=into_dest
-            )
-            if piece.data_ptr() != dest.data_ptr():
-                dest.copy_(piece)
-            start += n
-        if start != n_all:
-            raise ValueError(f"shard replies have {start} values, the fragment has {n_all}")
-        return out
-    if reply.resync:
-        fmt, values = message_values(reply.message)
+        piece = _decode_part(old_global[start : start + n], part, reply.resync, into_dest)
+        if piece.data_ptr() != dest.data_ptr():
+            dest.copy_(piece)
+        start += n
+    if start != n_all:
+        raise ValueError(f"shard replies have {start} values, the fragment has {n_all}")
+    return out
+
+
+def _decode_part(
+    old: torch.Tensor, message: Message, resync: bool, alloc: Callable[[int], torch.Tensor] | None
+) -> torch.Tensor:
+    """(:func:`decode_reply`) One slice's new values from its message."""
+    n_all = old.numel()
+    if resync:
+        fmt, values = message_values(message)
         if fmt != "none" or values.size != n_all:
             raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {n_all}")
-        return as_tensor(values) if isinstance(reply.message, np.ndarray) else torch.from_numpy(values)
-    if is_raw(reply.message):
-        return apply_downlink(old_global, reply.message)  # a view: nothing allocated
-    return apply_downlink(old_global, reply.message, out=_new(alloc, n_all))
+        return as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
+    if is_raw(message):
+        return apply_downlink(old, message)  # a view: nothing allocated
+    return apply_downlink(old, message, out=_new(alloc, n_all))
 
 
 def _new(alloc: Callable[[int], torch.Tensor] | None, numel: int) -> torch.Tensor:

@@ -121,7 +121,7 @@ class _Finished:
 
     failed: bool
     base_version: int
-    message: Any  # ObjectRef of the downlink message (K > 1: a list, one per shard), or None
+    message: Any  # ObjectRefs of the downlink messages, one per shard (a list whatever K), or None
     size: int
     included: frozenset[int]
     rejected: frozenset[int]
@@ -400,7 +400,7 @@ class _Recovery:
         if isinstance(out, BaseException) or out[3] != u.version:
             raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
         rec = d.finished.get((f, u.step))
-        if rec is not None and isinstance(rec.message, list):  # later receivers fetch the new slice
+        if rec is not None and rec.message is not None:  # later receivers fetch the new slice
             rec.message[i] = out[0]
 
 
@@ -842,7 +842,7 @@ class OuterDriver(_DriverReads):
             self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                                "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
                                "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})  # fmt: skip
-            message = refs[0] if len(refs) == 1 else refs
+            message = list(refs)  # one message per shard, whatever K
             r.stepped = True
             self.recovery.after_step(fragment, _Stepped(step, terms, dict(r.parts), r.average_only, outs[0][3]), refs)
             return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
@@ -879,30 +879,35 @@ class OuterDriver(_DriverReads):
         async with self._locks[fragment]:  # not in the middle of a step of this fragment
             outs = await self.recovery.all("current", fragment)
         refs = [o[1] for o in outs]
-        return Reply(status, outs[0][0], refs[0] if len(refs) == 1 else refs, resync=True, size=sum(o[2] for o in outs))
+        return Reply(status, outs[0][0], refs, resync=True, size=sum(o[2] for o in outs))
 
     def _parts(self, message: Any) -> list[Any] | None:
-        """The message's K parts, one per shard (``[ref, ...]`` from a replica's link; a bare
-        message for K = 1)."""
+        """The message's K parts, one per shard (``[ref, ...]`` from a replica's link, whatever K).
+
+        Raises:
+            ValueError: not a list of ``diloco.outer_shards`` K parts."""
         if message is None:
             return None
-        parts = message if isinstance(message, list) else [message]
-        if len(parts) != self.shards.k:
-            raise ValueError(f"a pseudo-gradient in {len(parts)} parts, expected diloco.outer_shards = {self.shards.k}")
-        return parts
+        if not isinstance(message, list):
+            raise ValueError(f"a pseudo-gradient as a {type(message).__name__}, not a list of one message per shard")
+        if len(message) != self.shards.k:
+            raise ValueError(
+                f"a pseudo-gradient in {len(message)} parts, expected diloco.outer_shards = {self.shards.k}"
+            )
+        return message
 
     async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,
                        version: int = 0, average_only: bool = False) -> Reply:  # fmt: skip
         """Submit replica ``replica``'s pseudo-gradient of ``fragment`` sent at inner step
-        ``step`` (a ``core.wire`` message, fp32 ``[numel_p]`` once decoded, or a list of K
-        ObjectRefs, one per shard's slice), weighted by ``weight`` (tokens trained since its last
+        ``step`` (a list of K ``core.wire`` messages or their ObjectRefs, one per shard's slice,
+        fp32 ``[numel_p]`` once decoded and joined), weighted by ``weight`` (tokens trained since its last
         sync). ``message`` None: the replica found its pseudo-gradient non-finite and abstains.
         ``version``: the global version it holds. ``average_only``: a closing round (the
         weighted mean, no outer step).
 
         Returns the :class:`Reply` once the round is complete, timed out or failed (at most
-        the round's timeout after it opened); its message is an ObjectRef shared by every
-        receiver (K > 1: a list of K).
+        the round's timeout after it opened); its message is a list of K ObjectRefs (one per
+        shard) shared by every receiver.
 
         Raises:
             ValueError: bad fragment or replica, a duplicate submission, a malformed message.

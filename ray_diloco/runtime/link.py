@@ -32,14 +32,14 @@ from ray_diloco.core.wire import OK, Reply, SyncResult, Uplink, decode_reply, li
 
 
 def resolve_reply(reply: Reply) -> Reply:
-    """The reply with its message fetched from the object store (the round's one shared object,
-    or with ``diloco.outer_shards`` K > 1 the K shards' slices, a list; a ``none`` message is a
-    read-only fp32 view of it, not a copy)."""
+    """The reply with its messages fetched from the object store (one shared object per outer
+    shard, ``diloco.outer_shards`` K; a ``none`` message is a read-only fp32 view of it, not a
+    copy)."""
     import ray
 
-    if isinstance(reply.message, (ray.ObjectRef, list)):
-        return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
-    return reply
+    if reply.message is None:
+        return reply
+    return Reply(reply.status, reply.version, ray.get(reply.message), reply.resync, reply.size)
 
 
 def fetch_reply(driver: Any, reply: Reply, unit: int, step: int, replica: int) -> Reply:

@@ -39,7 +39,7 @@ def _driver(ray, replicas=3, quorum=2, timeout=0.5, fmt="none"):
 def _msg(seed, fmt="none"):
     d = torch.from_numpy(np.random.default_rng(seed).standard_normal(N).astype(np.float32))
     message, sent = quantize_message(d, fmt)
-    return message, sent.numpy()
+    return [message], sent.numpy()  # one message per outer shard (K = 1)
 
 
 def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
@@ -116,7 +116,7 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
     nan_msg = to_message(Packed("none", N, bad.view(np.uint8).copy(), np.zeros(0, np.float32)))
     m0, d0 = _msg(1)
     replies = ray.get([driver.exchange.remote(0, 5, 0, 1.0, m0, 0), driver.exchange.remote(0, 5, 1, 1.0, None, 0),
-                       driver.exchange.remote(0, 5, 2, 1.0, nan_msg, 0)])
+                       driver.exchange.remote(0, 5, 2, 1.0, [nan_msg], 0)])
     assert [r.status for r in replies] == ["ok", "rejected", "rejected"]
     ref = OuterOptimizer([theta0], cfg.outer)
     outer_step(ref, 0, [1.0], d0)

@@ -51,20 +51,21 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     held = torch.tensor(theta0)  # what a replica holds
     for k in (1, 2, 3):
         ds = pseudo_gradients(10 + k, 1001, 2)
-        msgs = [quantize_message(torch.from_numpy(d), fmt)[0] for d in ds]
+        msgs = [[quantize_message(torch.from_numpy(d), fmt)[0]] for d in ds]  # one message per shard (K = 1)
         first = driver.exchange.remote(0, k, 0, 1.0, msgs[0], k - 1)
         ready, _ = ray.wait([first], timeout=0.5)
         assert not ready  # the round waits for the second replica
         replies = ray.get([first, driver.exchange.remote(0, k, 1, 1.0, msgs[1], k - 1)])
         assert replies[0] == replies[1] and replies[0].status == "ok" and replies[0].version == k
-        assert isinstance(replies[0].message, ray.ObjectRef)  # one object for every receiver
+        (ref,) = replies[0].message  # one message per shard (K = 1): one object for every receiver
+        assert isinstance(ref, ray.ObjectRef)
         reply = resolve_reply(replies[0])
         out = outer_step(local, 0, [1.0, 1.0], *[quantize_message(torch.from_numpy(d), fmt)[1].numpy() for d in ds])
         out["message"] = downlink_encode(downlink, local, 0, out["before"])
-        fmt_got, values = message_values(reply.message)
+        fmt_got, values = message_values(reply.message[0])
         assert fmt_got == fmt and np.array_equal(values, message_values(out["message"])[1]) and not reply.resync
         assert reply.nbytes == len(out["message"])
-        held = apply_downlink(held, reply.message)
+        held = apply_downlink(held, reply.message[0])
         (glob,) = ray.get(driver.global_params.remote())
         assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
     assert ray.get(driver.state_hash.remote()) == local.state_hash()
@@ -77,7 +78,8 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
     assert stale.resync and stale.version == 3
     for bad in [(5, 9, 0, 1.0, msgs[0]),  # no such fragment
                 (0, 9, 7, 1.0, msgs[0]),  # no such replica
-                (0, 9, 0, 1.0, b"junk")]:  # not a wire message
+                (0, 9, 0, 1.0, [b"junk"]),  # not a wire message
+                (0, 9, 0, 1.0, msgs[0][0])]:  # not a list of one message per shard
         with pytest.raises(ray.exceptions.RayTaskError, match="ValueError"):
             ray.get(driver.exchange.remote(*bad))
     ray.kill(driver)
@@ -121,8 +123,6 @@ def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
                 ds = [torch.from_numpy(np.random.default_rng(100 * s + 10 * f + m).standard_normal(n).astype(np.float32))
                       for m in range(2)]
                 msgs = [[ray.put(encode(x)) for x in (_split(lambda y: y, dd, k))] for dd in ds]
-                if k == 1:
-                    msgs = [m[0] for m in msgs]
                 replies = ray.get([d.exchange.remote(f, s, m, 1.0 + m, msgs[m], s // 5 - 1) for m in range(2)])
                 assert replies[0] == replies[1] and replies[0].status == "ok"
                 # decoded into a NaN-filled buffer (as SyncBuffers may hand out): every value is written

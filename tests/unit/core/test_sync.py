@@ -88,7 +88,7 @@ class MemoryDriver:
                                 average_only=r["avg"])
             message = downlink_encode(self.downlink, self.opt, fragment, out["before"])
             self.versions[fragment] += 1
-            r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, message) for m in r["in"]}
+            r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, [message]) for m in r["in"]}
         r["done"].set()
 
     def state_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ def test_the_driver_adopts_exactly_what_receivers_decode(fmt):
     old = torch.randn(1000, generator=g)
     new = old + 0.01 * torch.randn(1000, generator=g)
     message, applied, residual = encode_downlink(old, new, fmt)
-    received = decode_reply(old, Reply(OK, 1, message))
+    received = decode_reply(old, Reply(OK, 1, [message]))  # K = 1: a list of one message
     assert torch.equal(received, applied) and torch.equal(apply_downlink(old, message), applied)
     if fmt == "none":
         assert torch.equal(applied, new) and residual is None
@@ -40,7 +40,7 @@ def test_replies_without_a_message_and_resyncs():
     assert decode_reply(old, Reply(OK, 3)) is old and Reply(OK, 3).nbytes == 0
     current = torch.full((8,), 2.5)
     message, _, _ = encode_downlink(old, current, "none")
-    resync = Reply("dropped", 5, message, resync=True)
+    resync = Reply("dropped", 5, [message], resync=True)
     assert torch.equal(decode_reply(old, resync), current) and resync.nbytes == len(message)
     with pytest.raises(ValueError, match="values"):
         decode_reply(torch.zeros(7), resync)
