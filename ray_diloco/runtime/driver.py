@@ -883,17 +883,10 @@ class OuterDriver(_DriverReads):
 
     def _parts(self, message: Any) -> list[Any] | None:
         """The message's K parts, one per shard (``[ref, ...]`` from a replica's link, whatever K).
-
-        Raises:
-            ValueError: not a list of ``diloco.outer_shards`` K parts."""
-        if message is None:
-            return None
-        if not isinstance(message, list):
-            raise ValueError(f"a pseudo-gradient as a {type(message).__name__}, not a list of one message per shard")
-        if len(message) != self.shards.k:
-            raise ValueError(
-                f"a pseudo-gradient in {len(message)} parts, expected diloco.outer_shards = {self.shards.k}"
-            )
+        Raises ValueError when it is not a list of ``diloco.outer_shards`` K parts."""
+        if message is not None and (not isinstance(message, list) or len(message) != self.shards.k):
+            got = f"in {len(message)} parts" if isinstance(message, list) else f"as a {type(message).__name__}"
+            raise ValueError(f"a pseudo-gradient {got}, expected diloco.outer_shards = {self.shards.k} parts in a list")
         return message
 
     async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,

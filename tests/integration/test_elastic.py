@@ -314,15 +314,17 @@ def test_200_failed_rounds_keep_memory_bounded_and_training_recovers(ray_session
         mem, store = [], []
         for k in range(3, 203):
             t.outer_step(k)
-            if k in (12, 202):
+            if k in (12, 107, 202):
                 mem.append(ray.get(t.driver.memory.remote()))
                 store.append(_object_store_bytes())
-        assert mem[1]["failed_rounds"] >= 200
+        assert mem[-1]["failed_rounds"] >= 200
         for m in mem:
             assert m["open_rounds"] == 0 and m["finished_rounds"] <= 4 and m["events"] <= 1000
             assert m["held_bytes"] <= 4 * (13 + 4 * 30_000)
-        assert mem[1]["rss_bytes"] - mem[0]["rss_bytes"] < 16 * 2**20
-        assert store[1] - store[0] < 4 * 2**20
+        assert mem[-1]["rss_bytes"] - mem[0]["rss_bytes"] < 16 * 2**20
+        # the store is the session's (other tests' objects come and go): over the last 95 failed
+        # rounds it grows by less than 4 MB, where one leaked 120 kB pseudo-gradient per round is 11 MB
+        assert store[2] - store[1] < 4 * 2**20, store
         print(f"\ndriver after 10 / 200 failed rounds: {mem}; object store {store} bytes")
         ray.util.remove_placement_group(blocker)
         blocker = None
