@@ -37,8 +37,10 @@ from ray_diloco.core import codec
 from ray_diloco.core.quantize import decode_tensor_torch, encode_tensor_torch
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up: compile, first touch
+def timed(fn, repeats: int, warmup: int = 1) -> float:
+    """The median seconds of ``repeats`` calls of ``fn`` after ``warmup`` calls (compile, first touch)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

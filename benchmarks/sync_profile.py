@@ -40,28 +40,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from codec import timed as codec_timed  # noqa: E402
 from exchange import measure_allreduce  # noqa: E402
 
 
 def timed(fn, repeats: int, threads: int, warmup: int = 1) -> float:
+    """``benchmarks/codec.py``'s median with ``threads`` torch threads."""
     torch.set_num_threads(threads)
-    for _ in range(warmup):  # page faults, first-use allocations
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return codec_timed(fn, repeats, warmup)
 
 
 def profile(params: int, replicas: int, repeats: int) -> dict:

@@ -344,7 +344,7 @@ class FragmentSync:
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
         # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
         # globals computed on the device and handed to the transport there (core.staging)
-        delta: Any = None
+        delta: torch.Tensor | PseudoGradient | None = None
         ready = None
         if self.rank == 0 and self.staging is None and self.transport.reads_lazily and self._waits_for(t):
             delta = PseudoGradient(g, self.params, frag)  # read as it is encoded: no fragment-sized buffer

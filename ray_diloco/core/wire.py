@@ -235,13 +235,13 @@ class Uplink:
                 if not all_finite(x):  # the replica abstains; the residual stays as it was
                     self._before[fragment] = (False, before)
                     return None
-                off, off_end = lo - sl.start, hi - sl.start
+                off = lo - sl.start
                 _, sc = codec.encode(
                     x.numpy(),
                     self.fmt,
                     None if before is None else before[lo:hi].numpy(),
                     None,
-                    payload[codec.payload_nbytes(off, self.fmt) : codec.payload_nbytes(off_end, self.fmt)],
+                    _chunk(payload, self.fmt, off, hi - sl.start),
                 )
                 scales[off // BLOCK : off // BLOCK + sc.size] = sc
             messages.append(set_frame_scales(frame, scales))
@@ -307,6 +307,13 @@ class Uplink:
         }
 
 
+def _chunk(payload: np.ndarray, fmt: str, lo: int, hi: int) -> np.ndarray:
+    """The bytes of a frame's ``payload`` that values ``[lo, hi)`` are packed into (``lo`` a
+    multiple of ``BLOCK``: a chunk of whole blocks, as the encoders write them)."""
+    nbytes = fused_codec().payload_nbytes
+    return payload[nbytes(lo, fmt) : nbytes(hi, fmt)]
+
+
 def _spans(sl: slice):
     """``(lo, hi)`` of each :data:`CHUNK` values of ``sl``."""
     for lo in range(sl.start, sl.stop, CHUNK):
@@ -360,7 +367,6 @@ class Downlink:
         scales = np.empty(-(-n // BLOCK), dtype=np.float32)
         codec, sq = fused_codec(), [0.0]
         flat = p.reshape(-1).numpy()
-        wide = 2 if self.fmt == "fp4_e3m0" else 1  # values per payload byte
 
         def on_update(sl: slice, update: torch.Tensor) -> None:
             r = None if residual is None else residual[sl].numpy()
@@ -370,7 +376,7 @@ class Downlink:
                 flat[sl],
                 self.fmt,
                 r,
-                payload[sl.start // wide : -(-sl.stop // wide)],
+                _chunk(payload, self.fmt, sl.start, sl.stop),
             )
             scales[sl.start // BLOCK : sl.start // BLOCK + sc.size] = sc
             sq[0] += norm * norm
