@@ -3,11 +3,12 @@ per direction over the data, multi-threaded over blocks (numba, ``@njit(parallel
 
 The bytes are those of ``core.quantize``'s torch codec, bit for bit (that codec stays for tensors
 on a GPU and as the tests' oracle): per block of ``BLOCK`` values, scale = ``absmax / max``
-(fp32 division; 1 for an all-zero block), ``y = x / scale`` (fp32 division), then
+(fp32 division, at least 2^-149; 1 for an all-zero block), ``y = x / scale`` (fp32 division), then
 
 * ``fp4_e3m0``: the code is the number of midpoints ``0.125, 0.375, ..., 12`` that are <= ``|y|``
   (0 and ``+-2^k``, k in -2..4), bit 3 the sign of a non-zero code, two values per byte (the
-  first in the low nibble);
+  first in the low nibble). The kernel decides each ``|y| >= m`` without dividing, by comparing
+  ``|x|`` with seven thresholds per block that give the same answer (see ``_FP4_TIES``);
 * ``int8``: ``round_half_even(y)`` clamped to [-127, 127];
 * ``fp8_e4m3``: ``y`` clamped to [-448, 448], then rounded to nearest even float8 e4m3fn
   (subnormals below 2^-6).
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ray_diloco.core.quantize import BLOCK  # values per scale block (the kernels index by 256)
+from ray_diloco.core.quantize import BLOCK, MIN_SCALE  # values per scale block (the kernels index by 256)
 
 #: Largest finite value of each scaled format (the scale maps a block's absmax onto it).
 MAX = {"fp4_e3m0": 16.0, "int8": 127.0, "fp8_e4m3": 448.0}
@@ -49,6 +50,16 @@ _KIND = {"fp4_e3m0": 0, "int8": 1, "fp8_e4m3": 2}
 _POW2 = np.array([2.0 ** (9 - k) for k in range(16)] + [2.0**j for j in range(-5, 11)], dtype=np.float32)
 #: fp32 value of each fp4 nibble (code 0..7: 0, 2^-2 .. 2^4; bit 3 the sign, -0.0 for code 0).
 _FP4_VALUES = np.array([0.0, 0.25, 0.5, 1, 2, 4, 8, 16, -0.0, -0.25, -0.5, -1, -2, -4, -8, -16], dtype=np.float32)
+#: The fp4 code's midpoints ``m`` (0.125 .. 12), each lowered to the real number halfway to the fp32
+#: value below it (exact in fp64): ``fl(a / s) >= m`` exactly when ``a >= s * t`` (fp32 division is
+#: correctly rounded and each ``m``'s mantissa is even, so a tie rounds up to ``m``).
+_FP4_TIES = np.array(
+    [
+        (np.float64(np.nextafter(np.float32(m), np.float32(0))) + m) / 2
+        for m in (0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0)
+    ],
+    dtype=np.float64,
+)
 #: fp32 value of each float8 e4m3fn byte (NaN for 0x7F and 0xFF, which the encoder never makes).
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 #: fp32 value of each int8 byte (its two's-complement integer).
@@ -76,20 +87,33 @@ def _fp8_code(y, pow2):  # pragma: no cover - compiled
 
 
 @njit(inline="always", cache=True)
-def _fp4_code(y):  # pragma: no cover - compiled
-    """fp4 e3m0 nibble of fp32 ``y``: how many midpoints 0.125 .. 12 are <= |y|, bit 3 the sign
-    of a non-zero code (int32 sums of comparisons vectorise; a uint8 sum does not)."""
-    a = abs(y)
-    c = (
-        np.int32(a >= np.float32(0.125))
-        + np.int32(a >= np.float32(0.375))
-        + np.int32(a >= np.float32(0.75))
-        + np.int32(a >= np.float32(1.5))
-        + np.int32(a >= np.float32(3.0))
-        + np.int32(a >= np.float32(6.0))
-        + np.int32(a >= np.float32(12.0))
-    )
-    return c + 8 * (np.int32(y < 0) * np.int32(c > 0))
+def _up(s, t):  # pragma: no cover - compiled
+    """The least fp32 value >= the real ``s * t`` (the product is exact in fp64: 24 + 25 bits)."""
+    d = np.float64(s) * t
+    f = np.float32(d)
+    return np.nextafter(f, np.float32(np.inf)) if np.float64(f) < d else f
+
+
+@njit(inline="always", cache=True)
+def _fp4_codes(v, s, ties, codes):  # pragma: no cover - compiled
+    """fp4 e3m0 nibbles of fp32 ``v / s`` into ``codes`` without a division: how many midpoints
+    0.125 .. 12 are <= ``fl(|v| / s)``, decided exactly as ``|v| >= `` the midpoint's tie times
+    ``s`` rounded up to fp32 (seven thresholds per block, see ``_FP4_TIES``); bit 3 the sign of a
+    non-zero code (int32 sums of comparisons vectorise; a uint8 sum does not)."""
+    t0, t1, t2, t3 = _up(s, ties[0]), _up(s, ties[1]), _up(s, ties[2]), _up(s, ties[3])
+    t4, t5, t6 = _up(s, ties[4]), _up(s, ties[5]), _up(s, ties[6])
+    for k in range(v.size):
+        a = abs(v[k])
+        c = (
+            np.int32(a >= t0)
+            + np.int32(a >= t1)
+            + np.int32(a >= t2)
+            + np.int32(a >= t3)
+            + np.int32(a >= t4)
+            + np.int32(a >= t5)
+            + np.int32(a >= t6)
+        )
+        codes[k] = c + 8 * (np.int32(v[k] < 0) * np.int32(c > 0))
 
 
 @njit(inline="always", cache=True)
@@ -140,12 +164,12 @@ def _scale_pass(x, r, vmax, scales):  # pragma: no cover - compiled
         hi = min(lo + 256, n)
         amax, finite = _block_absmax(x[lo:hi], r[lo:hi], use_r)
         bad += np.int64(not finite)
-        scales[b] = amax / np.float32(vmax) if amax > 0 else np.float32(1.0)
+        scales[b] = max(amax / np.float32(vmax), np.float32(MIN_SCALE)) if amax > 0 else np.float32(1.0)
     return bad
 
 
 @njit(parallel=True, cache=True)
-def _code_pass(x, r, r_out, p, kind, vmax, pow2, table, payload, scales, scaled):  # pragma: no cover - compiled
+def _code_pass(x, r, r_out, p, kind, vmax, pow2, ties, table, payload, scales, scaled):  # pragma: no cover - compiled
     """Codes of ``x (+ r)`` into ``payload``, block by block; the block's scale computed here (a
     block is read twice while it is in cache) or, with ``scaled``, taken from ``scales``. Where
     given (size > 0), ``r_out = (x + r) - dequantised`` and ``p += dequantised``. Returns
@@ -161,6 +185,7 @@ def _code_pass(x, r, r_out, p, kind, vmax, pow2, table, payload, scales, scaled)
     sqs = np.zeros(chunks, dtype=np.float64)
     for t in prange(chunks):
         codes = np.empty(256, dtype=np.int32)
+        vb = np.empty(256, dtype=np.float32)
         part = 0.0
         nbad = 0
         for b in range(t * nb // chunks, (t + 1) * nb // chunks):
@@ -175,11 +200,15 @@ def _code_pass(x, r, r_out, p, kind, vmax, pow2, table, payload, scales, scaled)
                 if not finite:
                     nbad += 1
                     continue
-                s = amax / mx if amax > 0 else np.float32(1.0)
+                s = max(amax / mx, np.float32(MIN_SCALE)) if amax > 0 else np.float32(1.0)
                 scales[b] = s
             if kind == 0:
-                for k in range(m):
-                    codes[k] = _fp4_code((xb[k] + rb[k] if use_r else xb[k]) / s)
+                if use_r:
+                    for k in range(m):
+                        vb[k] = xb[k] + rb[k]
+                    _fp4_codes(vb[:m], s, ties, codes)
+                else:
+                    _fp4_codes(xb, s, ties, codes)
                 out = payload[lo >> 1 : (hi + 1) >> 1]
                 for j in range(m >> 1):  # two values per byte, the first in the low nibble
                     out[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
@@ -336,6 +365,7 @@ def _encode(
                 _KIND[fmt],
                 MAX[fmt],
                 _POW2,
+                _FP4_TIES,
                 _table(fmt),
                 payload,
                 scales,

@@ -42,7 +42,10 @@ FORMATS = QUANTIZATION_FORMATS
 _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
-SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
+SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")
+#: The least block scale, fp32's smallest subnormal 2^-149: a block whose absmax is below
+#: ``max_value * 2^-150`` (6e-43 for fp8) would get scale 0 and every value 0 / 0.
+MIN_SCALE = 2.0**-149  # the formats with a scale per block
 
 
 def fused_codec() -> Any:
@@ -77,9 +80,10 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scales(blocks: torch.Tensor, max_value: float) -> torch.Tensor:
-    """Per-block scale ``absmax / max_value`` (fp32 division), 1 for an all-zero block."""
+    """Per-block scale ``absmax / max_value`` (fp32 division) raised to ``MIN_SCALE`` (a block of
+    subnormals whose scale would round to 0 and encode as NaN), 1 for an all-zero block."""
     absmax = torch.maximum(blocks.amax(dim=1), -blocks.amin(dim=1))  # max |x|, 4x faster than abs().amax on CPU
-    return torch.where(absmax > 0, absmax / max_value, torch.ones_like(absmax))
+    return torch.where(absmax > 0, (absmax / max_value).clamp_min(MIN_SCALE), torch.ones_like(absmax))
 
 
 def _host(x: torch.Tensor, fmt: str) -> bool:

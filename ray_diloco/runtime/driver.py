@@ -485,11 +485,11 @@ class _DriverReads:
                 lock.release()
 
     async def global_refs(self) -> list[Any]:
-        """Every global fragment (fp32 ``[numel_p]``) put once into the object store: one
-        ObjectRef per fragment, or with K > 1 a list of the K slices' ObjectRefs
-        (``runtime.link.fetch_global`` joins them)."""
+        """Every global fragment (fp32 ``[numel_p]``) put once into the object store: per
+        fragment, a list of its K slices' ObjectRefs in shard order (K = 1: one;
+        ``runtime.link.fetch_global`` joins them)."""
         per_shard = await self._quiet("global_refs")
-        return [refs[0] if len(refs) == 1 else list(refs) for refs in zip(*per_shard)]
+        return [list(refs) for refs in zip(*per_shard)]
 
     async def global_params(self) -> list[np.ndarray]:
         """Copies of every global fragment, fp32 ``[numel_p]``."""

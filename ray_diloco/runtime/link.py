@@ -55,18 +55,22 @@ def fetch_reply(driver: Any, reply: Reply, unit: int, step: int, replica: int) -
         return resolve_reply(Reply(reply.status, again.version, again.message, True, again.size))
 
 
-def fetch_global(value: Any) -> np.ndarray:
+def fetch_global(slices: list[Any]) -> np.ndarray:
     """A global fragment (fp32 ``[numel_p]``) from what the driver's ``global_refs`` gives for it:
-    an array, an ObjectRef of one (fetched: a read-only view), or with K outer shards a list of
-    the K slices' ObjectRefs (fetched and joined: a new array)."""
+    its K outer shards' slices in shard order, each an ObjectRef (fetched) or an array. One slice
+    is returned as it is (an object-store value is a read-only view, no copy); K > 1 are joined
+    into a new array.
+
+    Raises:
+        TypeError: ``slices`` is not a list (a bare ObjectRef or array)."""
     import ray
 
-    if isinstance(value, ray.ObjectRef):
-        return ray.get(value)
-    if isinstance(value, list):
-        parts = [ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in value]
-        return np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in parts])
-    return value
+    if not isinstance(slices, list) or not slices:
+        raise TypeError(f"a global fragment's slices: a non-empty list of ObjectRefs, got {type(slices).__name__}")
+    parts = [ray.get(v) if isinstance(v, ray.ObjectRef) else v for v in slices]
+    if len(parts) == 1:
+        return np.asarray(parts[0], dtype=np.float32).reshape(-1)
+    return np.concatenate([np.asarray(v, dtype=np.float32).reshape(-1) for v in parts])
 
 
 @dataclass

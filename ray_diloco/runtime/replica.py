@@ -284,9 +284,9 @@ class WorkerState:
         """The global value of ``fragment`` this worker holds (fp32 ``[numel_p]``)."""
         return self.sync.global_fragment(fragment)
 
-    def load_global(self, fragment: int, global_p: np.ndarray, version: int = 0) -> None:
-        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps; an array, an
-        ObjectRef, or a list of the K outer shards' slices' ObjectRefs) and overwrite the local ones.
+    def load_global(self, fragment: int, global_p: list[Any], version: int = 0) -> None:
+        """Adopt the global fragment (fp32 ``[numel_p]``, at ``version`` outer steps; the K outer
+        shards' slices as the driver's ``global_refs`` gives them) and overwrite the local ones.
         FSDP: ``fragment`` is an exchange unit; another rank's unit is ignored."""
         if self.fsdp:
             if fragment % self.world_size != self.rank:

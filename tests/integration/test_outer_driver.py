@@ -92,11 +92,12 @@ def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
     three rounds of two fragments: the replies decode to the same global fragments bit for bit,
     the drivers' global parameters, outer state hashes and (K = 1 layout) state dicts are
     equal; a stale receiver's resync, a checkpoint of the K = 3 driver restored into a K = 2
-    one, and a message in the wrong number of parts behave as they must."""
+    one, and a message in the wrong number of parts and the globals' refs (a list of K slices per
+    fragment) behave as they must."""
     from ray_diloco.config import load_config
     from ray_diloco.core.wire import decode_reply
     from ray_diloco.runtime.driver import OuterDriverActor
-    from ray_diloco.runtime.link import resolve_reply
+    from ray_diloco.runtime.link import fetch_global, resolve_reply
 
     ray = ray_session
     sizes = [1001, 70_000]
@@ -133,6 +134,12 @@ def test_a_sharded_driver_gives_the_bits_of_one_driver(ray_session, fmt):
     a, b = rounds(one, 1, (5, 10, 15)), rounds(three, 3, (5, 10, 15))
     for x, y, g in zip(a, b, ray.get(three.global_params.remote())):
         assert torch.equal(x, y) and np.array_equal(g, y.numpy())
+    for d, k in ((one, 1), (three, 3)):  # a joiner's fetch: a list of K slices whatever K
+        refs = ray.get(d.global_refs.remote())
+        assert [len(r) for r in refs] == [k, k]
+        assert all(np.array_equal(fetch_global(r), y.numpy()) for r, y in zip(refs, b))
+    with pytest.raises(TypeError, match="a non-empty list of ObjectRefs, got ObjectRef"):
+        fetch_global(refs[0][0])
     # a range read across the shards' slices (what the export reads, a parameter at a time)
     for lo, hi in [(5, 69_000), (0, 70_000), (23_400, 23_500), (7, 7)]:
         assert np.array_equal(ray.get(three.read_unit.remote(1, lo, hi)), b[1].numpy()[lo:hi])

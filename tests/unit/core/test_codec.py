@@ -33,6 +33,28 @@ def _ties() -> np.ndarray:
     return np.array(out, np.float32)
 
 
+def _scaled_ties() -> np.ndarray:
+    """Blocks whose scale is not a power of two (absmax random over fp32's range, subnormal
+    included), each holding the fp32 values on and up to two ulps around ``scale * m`` for every
+    fp4 midpoint ``m``: where ``fl(v / scale)`` lands on either side of ``m`` (the encoder decides
+    that without dividing)."""
+    mids = np.array([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0])
+    blocks = []
+    for amax in np.exp(rng.uniform(-100, 85, 300)).astype(np.float32).tolist() + [3e-44, 1e-40, 3.3e38]:
+        s = np.float32(amax) / np.float32(16.0)
+        v = [np.float32(s * m) for m in mids]
+        for _ in range(2):
+            v += [np.nextafter(x, np.float32(0)) for x in v[:7]] + [np.nextafter(x, np.float32(np.inf)) for x in v[:7]]
+        v = np.array(v, np.float32)
+        v = v[(v <= np.float32(amax)) & (v > 0)]
+        block = np.zeros(BLOCK, np.float32)
+        block[0] = amax
+        block[1 : 1 + v.size] = v
+        block[1 + v.size : 1 + 2 * v.size] = -v
+        blocks.append(block)
+    return np.concatenate(blocks)
+
+
 CASES = {
     "normal_padded": rng.standard_normal(3 * BLOCK + 17).astype(np.float32),
     "odd_one": np.array([0.3], np.float32),
@@ -43,6 +65,7 @@ CASES = {
     "wide_range": (rng.standard_normal(5000) * np.exp(rng.uniform(-60, 60, 5000))).astype(np.float32),
     "raw_bits": _bits(),
     "ties": _ties(),
+    "scaled_ties": _scaled_ties(),
 }
 
 
@@ -57,6 +80,7 @@ def test_fused_codec_bytes_and_values_equal_the_torch_codec(fmt: str, case: str)
     got = codec.decode_into(payload, scales, fmt, np.empty(x.size, np.float32))
     want = decode_tensor_torch(want_p, want_s, x.size, fmt).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 included
+    assert np.isfinite(got).all()  # a block of tiny subnormals too (its scale would round to 0)
     # a chunk of whole blocks, added to what is there (the outer side's decode-and-accumulate)
     start = BLOCK if x.size > BLOCK else 0
     acc = np.full(x.size - start, 0.5, np.float32)
