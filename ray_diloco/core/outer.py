@@ -28,12 +28,56 @@ from ray_diloco.core.quantize import Packed, fused_codec
 from ray_diloco.core.wire import as_tensor
 
 
-def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> torch.optim.Optimizer:
-    """The torch optimiser for one fragment's flat fp32 global parameters."""
+class SGDState:
+    """The state of torch's ``SGD`` (``torch.optim.SGD``: dampening 0, no weight decay) for one
+    fragment's flat fp32 parameter, in torch's layout (``param_groups``, ``state[param]``,
+    :meth:`state_dict` and :meth:`load_state_dict` as torch writes and reads them, so checkpoints
+    are interchangeable), without ``torch.optim``: :meth:`OuterOptimizer.step_ordered` does the
+    arithmetic itself, and constructing a ``torch.optim`` optimiser imports ``torch._dynamo``
+    (about 1 s of CPU in every outer-optimiser process).
+
+    Args:
+        param: fp32 ``[numel_p]``, the fragment's global parameters.
+        lr, momentum, nesterov: as ``torch.optim.SGD``'s.
+    """
+
+    def __init__(self, param: torch.Tensor, lr: float, momentum: float, nesterov: bool):
+        self.param_groups: list[dict[str, Any]] = [
+            {"lr": lr, "momentum": momentum, "dampening": 0, "weight_decay": 0, "nesterov": nesterov,
+             "maximize": False, "foreach": None, "differentiable": False, "fused": None, "params": [param]}
+        ]  # fmt: skip
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {0: {"momentum_buffer": fp32 [numel_p]}} (empty before the first step),
+        "param_groups": [{hyperparameters, "params": [0]}]}``, torch's layout (live tensors)."""
+        group = self.param_groups[0]
+        state = self.state.get(group["params"][0])
+        return {"state": {} if state is None else {0: dict(state)},
+                "param_groups": [{**{k: v for k, v in group.items() if k != "params"}, "params": [0]}]}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a state dict of :meth:`state_dict`'s (or torch ``SGD``'s) layout: the saved
+        hyperparameters replace these, and a momentum buffer is taken as fp32 (as torch does).
+
+        Raises:
+            ValueError: not one parameter group of one parameter."""
+        groups = state_dict["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != 1:
+            raise ValueError("an outer SGD state holds one parameter group of one parameter")
+        param = self.param_groups[0]["params"][0]
+        self.param_groups = [{**copy.deepcopy({k: v for k, v in groups[0].items() if k != "params"}), "params": [param]}]
+        saved = state_dict["state"].get(groups[0]["params"][0])
+        self.state = {} if saved is None else {param: {k: v.to(dtype=torch.float32) for k, v in saved.items()}}
+
+
+def make_outer_optimizer(param: torch.Tensor, cfg: OuterConfig) -> SGDState | torch.optim.Optimizer:
+    """The optimiser state for one fragment's flat fp32 global parameters (SGD and Nesterov:
+    :class:`SGDState`; Adam: torch's, which also steps)."""
     if cfg.name == "nesterov":
-        return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+        return SGDState(param, cfg.lr, cfg.momentum, nesterov=cfg.momentum > 0)
     if cfg.name == "sgd":
-        return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum)
+        return SGDState(param, cfg.lr, cfg.momentum, nesterov=False)
     if cfg.name == "adam":
         return torch.optim.Adam([param], lr=cfg.lr, betas=(cfg.momentum, cfg.adam_beta2), eps=cfg.adam_eps)
     raise ValueError(f"outer.name = {cfg.name!r}: must be one of nesterov, sgd, adam")
@@ -256,7 +300,7 @@ class OuterOptimizer:
             return self.step_ordered(fragment, mean, average_only, on_update=collect)[0], update
         self.steps[fragment] += 1
         g = opt.param_groups[0]
-        if not average_only and self.cfg.name == "adam":
+        if not average_only and isinstance(opt, torch.optim.Optimizer):  # Adam: torch steps
             full = mean.take()
             before = p.detach().clone()
             p.grad = full
@@ -271,7 +315,7 @@ class OuterOptimizer:
         lr, mu = (1.0, 0.0) if average_only else (g["lr"], g["momentum"])
         buf, first = None, False
         if mu != 0:
-            state = opt.state[p]
+            state = opt.state.setdefault(p, {})
             buf = state.get("momentum_buffer")
             first = buf is None
             if first:

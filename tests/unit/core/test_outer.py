@@ -127,6 +127,36 @@ def test_the_chunked_step_is_bitwise_torch_sgd_on_the_ordered_mean(name, momentu
     if momentum and not average_only:
         assert torch.equal(outer.opts[0].state[outer.params[0]]["momentum_buffer"], sgd.state[ref]["momentum_buffer"])
     assert outer.state_hash() == kept.state_hash()
+    if not average_only:  # torch's state dict, key for key: checkpoints load either way
+        ours, theirs = outer.opts[0].state_dict(), sgd.state_dict()
+        assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+        assert all(torch.equal(ours["state"][0][k], v) for k, v in theirs["state"].get(0, {}).items())
+        again = OuterOptimizer([theta0], cfg)
+        again.opts[0].load_state_dict(theirs)
+        sgd.load_state_dict(ours)
+        assert again.opts[0].state_dict()["param_groups"] == sgd.state_dict()["param_groups"]
+
+
+def test_an_sgd_outer_optimiser_imports_no_torch_dynamo():
+    """Constructing and stepping the default outer optimiser leaves ``torch._dynamo`` unimported
+    (a ``torch.optim`` optimiser imports it: about 1 s of CPU in every outer-optimiser process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from helpers import outer_step, pseudo_gradients\n"
+        "from ray_diloco.config import OuterConfig\n"
+        "from ray_diloco.core.outer import OuterOptimizer\n"
+        "o = OuterOptimizer([np.zeros(8, np.float32)], OuterConfig())\n"
+        "outer_step(o, 0, [1.0], *pseudo_gradients(1, 8, 1))\n"
+        "o.load_state_dict(o.state_dict())\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n"
+    )
+    from helpers import ROOT
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT / "tests")
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout[-500:] + out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp4_e3m0"])
