@@ -66,7 +66,9 @@ class SGDState:
         if len(groups) != 1 or len(groups[0]["params"]) != 1:
             raise ValueError("an outer SGD state holds one parameter group of one parameter")
         param = self.param_groups[0]["params"][0]
-        self.param_groups = [{**copy.deepcopy({k: v for k, v in groups[0].items() if k != "params"}), "params": [param]}]
+        self.param_groups = [
+            {**copy.deepcopy({k: v for k, v in groups[0].items() if k != "params"}), "params": [param]}
+        ]
         saved = state_dict["state"].get(groups[0]["params"][0])
         self.state = {} if saved is None else {param: {k: v.to(dtype=torch.float32) for k, v in saved.items()}}
 
