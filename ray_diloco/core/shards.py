@@ -99,6 +99,34 @@ def join_optimizer_states(states: list[dict[str, Any]], bounds: list[slice]) -> 
     return out
 
 
+def join_outer_states(states: list[dict[str, Any]], numels: list[int]) -> dict[str, Any]:
+    """The outer optimiser's state (``core.outer.OuterOptimizer.state_dict``: ``global``,
+    ``optimizers``, ``steps``, ``residuals``) of a whole run from its K outer shards' (in shard
+    order, each holding ``shard_bounds(numel, K)``'s slice of every fragment): the K = 1 layout
+    whatever K. A shard without a downlink residual contributes zeros when another has one."""
+    if len(states) == 1:
+        return dict(states[0])
+    bounds = [shard_bounds(n, len(states)) for n in numels]
+    residuals: list[np.ndarray | None] = []
+    for f, per in enumerate(bounds):
+        if all(s["residuals"][f] is None for s in states):
+            residuals.append(None)
+            continue
+        parts = [
+            np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None else s["residuals"][f]
+            for s, b in zip(states, per)
+        ]
+        residuals.append(np.concatenate(parts))
+    return {
+        "global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(numels))],
+        "optimizers": [
+            join_optimizer_states([s["optimizers"][f] for s in states], bounds[f]) for f in range(len(numels))
+        ],
+        "steps": list(states[0]["steps"]),
+        "residuals": residuals,
+    }
+
+
 def rank_rows(rows: int, ranks: int, rank: int) -> slice:
     """The rows of a parameter's first dimension that FSDP2 (``Shard(0)``) keeps on ``rank`` of
     ``ranks``: ``ceil(rows / ranks)`` per rank in order, the last ranks' shorter or empty."""

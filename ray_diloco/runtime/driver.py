@@ -1,25 +1,13 @@
-"""The outer-optimiser driver: sync rounds, the quorum, timeouts and replica membership.
+"""The outer-optimiser driver: the Ray side of the sync rounds, the outer shards and their recovery.
 
 The driver is an async Ray actor that holds the global parameters and the outer optimiser
-(:class:`~ray_diloco.core.outer.OuterOptimizer`). Each replica's rank 0 submits its quantised
-pseudo-gradient of a fragment with :meth:`OuterDriver.exchange`; the other ranks of the
-replica wait for the same answer with :meth:`OuterDriver.result`. A round is keyed
-``(fragment, send step)`` from the pure schedule, so every process agrees on it after any
-restart or join.
-
-Elasticity (DiLoCo, arXiv 2311.08105, section 3 "dropping outer gradients"):
-
-- A round expects the *members* that joined before its send step. It completes as soon as all
-  of them have answered, or ``diloco.sync_timeout_s`` after it opened; a member that died
-  (:meth:`OuterDriver.remove_member`) or missed the timeout is left out of that average.
-- With at least ``diloco.min_replicas`` valid pseudo-gradients the round takes an outer step
-  on their token-weighted mean; otherwise it *fails*: global parameters and outer state stay
-  as they are, and the replicas keep their local progress for the next round.
-- A non-finite pseudo-gradient (the replica abstains, or the driver finds one after decoding)
-  is *rejected*: logged, left out, and the replica is told to reset to the global parameters.
-- Every fragment has a version (outer steps applied). A receiver whose version is the round's
-  base gets the quantised update (bitwise-identical globals everywhere); any other receiver (a
-  late or stale one) gets a full-precision resync of the fragment.
+(:class:`~ray_diloco.core.outer.OuterOptimizer`, in its outer shards). Each replica's rank 0
+submits its quantised pseudo-gradient of a fragment with :meth:`OuterDriver.exchange`; the other
+ranks of the replica wait for the same answer with :meth:`OuterDriver.result`. Every rule of a
+round (who it waits for, quorum, timeouts, rejection, late and duplicate messages, versions and
+what each replica is answered; DiLoCo, arXiv 2311.08105, section 3) lives in
+:class:`~ray_diloco.core.rounds.RoundBook`, synchronous and tested without Ray; here
+:class:`_Rounds` feeds it arrivals and timers and carries its decisions out on the shards.
 
 Transport and memory (issue 14): pseudo-gradients arrive as object-store references (numpy
 buffers, pickle-5 out of band: a ``none`` one is the fp32 array itself, read without a copy) and
@@ -63,10 +51,9 @@ import copy
 import math
 import os
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
@@ -74,8 +61,9 @@ import torch
 
 from ray_diloco.core.outer import outer_state_hash
 from ray_diloco.core.quantize import message_nbytes
-from ray_diloco.core.shards import join_optimizer_states, shard_bounds
-from ray_diloco.core.wire import DROPPED, FAILED, OK, REJECTED, Reply, transfer_allowance_s
+from ray_diloco.core.rounds import Finished, Round, RoundBook
+from ray_diloco.core.shards import join_outer_states, shard_bounds
+from ray_diloco.core.wire import DROPPED, Reply, transfer_allowance_s
 from ray_diloco.runtime.outer_shards import ShardGroup, ShardLost, _rss_bytes
 
 __all__ = ["OuterDriver", "OuterDriverActor"]
@@ -94,37 +82,6 @@ def _combine_norms(norms: list[float]) -> float:
 def _object_lost(e: BaseException) -> bool:
     """A pseudo-gradient whose object died with its node or its owner (the sending replica)."""
     return isinstance(e, ray.exceptions.ObjectLostError)
-
-
-@dataclass
-class _Round:
-    """One open fragment sync on the driver: checked pseudo-gradients in, then one outcome."""
-
-    opened: float
-    arrived: set[int] = field(default_factory=set)  # submitted and checked, valid or not
-    weights: dict[int, float] = field(default_factory=dict)  # valid ones: tokens trained
-    norms: dict[int, float] = field(default_factory=dict)
-    rejected: set[int] = field(default_factory=set)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    bytes_up: int = 0
-    average_only: bool = False  # a closing round (schedule.averages): the mean, no outer step
-    closing: bool = False
-    parts: dict[int, list[Any]] = field(default_factory=dict)  # valid ones' K parts, kept to rebuild a shard
-    stepping: bool = False  # its outer step was sent to the shards
-    stepped: bool = False  # every shard took it
-    lost: dict[int, set[int]] = field(default_factory=dict)  # rebuilt shard -> replicas whose part died
-
-
-@dataclass
-class _Finished:
-    """The outcome of a closed round, kept for receivers that ask for it."""
-
-    failed: bool
-    base_version: int
-    message: Any  # ObjectRefs of the downlink messages, one per shard (a list whatever K), or None
-    size: int
-    included: frozenset[int]
-    rejected: frozenset[int]
 
 
 @dataclass
@@ -253,11 +210,11 @@ class _Recovery:
             return checks
         await self.all("discard", fragment, step, replica)  # every check has finished: nothing kept after it
         if all(_object_lost(e) for e in errors):
-            self.d._event("lost", replica, fragment=fragment, step=step, reason="pseudo-gradient lost")
+            self.d.book.event("lost", replica, fragment=fragment, step=step, reason="pseudo-gradient lost")
             return None
         raise errors[0]
 
-    async def step_all(self, fragment: int, step: int, terms: list[tuple[int, float]], r: _Round) -> list[Any]:
+    async def step_all(self, fragment: int, step: int, terms: list[tuple[int, float]], r: Round) -> list[Any]:
         """Every shard's outer step of round ``r`` (``OuterShard.step``: outputs or errors, in shard
         order). A shard lost meanwhile is rebuilt (at the version before this step, the round's
         pseudo-gradients checked again) and takes the step then (:func:`_partial` when some of its
@@ -343,7 +300,7 @@ class _Recovery:
                 except Exception as e:
                     d._broken = f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
                     raise RuntimeError(d._broken) from None
-                d._event("shard_recovered", None, shard=i, node=info["node"][:12],
+                d.book.event("shard_recovered", None, shard=i, node=info["node"][:12],
                          seconds=round(info["seconds"], 2), redone=redone)  # fmt: skip
 
     async def _recheck(self, i: int) -> None:
@@ -355,7 +312,7 @@ class _Recovery:
         Raises:
             RuntimeError: a part could not be checked for another reason."""
         d = self.d
-        for (f, s), r in list(d.rounds.items()):
+        for (f, s), r in list(d.book.rounds.items()):
             if r.stepped:
                 continue
             for m, parts in sorted(r.parts.items()):
@@ -366,8 +323,7 @@ class _Recovery:
                     if r.stepping:
                         r.lost.setdefault(i, set()).add(m)
                         continue
-                    r.weights.pop(m, None), r.norms.pop(m, None), r.parts.pop(m, None)
-                    d._event("lost", m, fragment=f, step=s, reason="its pseudo-gradient died with its node")
+                    d.book.drop(f, s, m, "its pseudo-gradient died with its node")
 
     async def _redo(self, i: int, versions: list[int]) -> list[int]:
         """Take again, on the new shard ``i`` restored at ``versions``, the steps its copy had not
@@ -379,8 +335,8 @@ class _Recovery:
         d, redone = self.d, []
         for f, v in enumerate(versions):
             chain = [u for u in self.unbacked.get(f, []) if u.version > v]
-            if [u.version for u in chain] != list(range(v + 1, d.versions[f] + 1)):
-                raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {d.versions[f]}")
+            if [u.version for u in chain] != list(range(v + 1, d.book.versions[f] + 1)):
+                raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {d.book.versions[f]}")
             for u in chain:
                 await self._take_again(i, f, u)
                 redone.append(f)
@@ -399,7 +355,7 @@ class _Recovery:
         out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
         if isinstance(out, BaseException) or out[3] != u.version:
             raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
-        rec = d.finished.get((f, u.step))
+        rec = d.book.finished.get((f, u.step))
         if rec is not None and rec.message is not None:  # later receivers fetch the new slice
             rec.message[i] = out[0]
 
@@ -413,29 +369,249 @@ def _partial(d: OuterDriver, i: int, f: int, step: int, terms: list[tuple[int, f
     Recorded as a ``partial_round`` event."""
     if not lost:
         return terms
-    d._event("partial_round", None, fragment=f, step=step, shard=i, left_out=sorted(lost))
+    d.book.event("partial_round", None, fragment=f, step=step, shard=i, left_out=sorted(lost))
     kept = [(m, w) for m, w in terms if m not in lost]
     return kept if kept else [(m, 0.0) for m, _ in terms]  # nothing left: an empty mean (no move)
 
 
-class _DriverReads:
-    """The driver's liveness, read and checkpoint calls (a part of :class:`OuterDriver`): reads of
-    the global parameters and outer state wait until no outer step runs."""
+class _DriverFiles:
+    """The driver's checkpoint and export files, written and read from its own process (the job's
+    never holds the global parameters).
 
-    shards: ShardGroup
-    recovery: _Recovery
-    numels: list[int] | None
-    versions: list[int]
-    last_finished: list[int]
-    stats: list[dict[str, Any]]
-    rounds: dict[tuple[int, int], _Round]
-    finished: dict[tuple[int, int], _Finished]
-    events: deque
-    failed_rounds: int
-    _locks: list[asyncio.Lock]
-    _broken: str | None
-    _pending_init: list[Any]
-    init_global: Callable[[list[Any]], Awaitable[None]]
+    Args:
+        driver: the :class:`OuterDriver` whose state they hold.
+    """
+
+    def __init__(self, driver: OuterDriver):
+        self.d = driver
+
+    async def save_state(self, path: str, token: str | None, upload: str | None) -> dict[str, Any]:
+        """See :meth:`OuterDriver.save_state`."""
+        from pathlib import Path
+
+        from ray_diloco.components.checkpoint import sees_marker, write_state_file
+
+        node = ray.get_runtime_context().get_node_id()
+        if token is not None and not sees_marker(Path(path).parent, token):
+            return {"unseen": True, "node": node}
+        from ray_diloco.components.storage import upload_file
+
+        state = {**(await self.d.state_dict()), "checkpoint_id": token}
+        size = await asyncio.to_thread(write_state_file, Path(path), state)
+        info = {"file": Path(path).name, "bytes": size, "node": node}
+        if upload:
+            problem = await asyncio.to_thread(upload_file, Path(path), upload)
+            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
+        return info
+
+    async def export_weights(
+        self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype, token: str
+    ) -> dict[str, int] | None:
+        """See :meth:`OuterDriver.export_weights`."""
+        from pathlib import Path
+
+        from ray_diloco.components.checkpoint import sees_marker
+        from ray_diloco.components.export import write_hf_weights
+        from ray_diloco.core.shards import read_fragment_range
+
+        if not sees_marker(out_dir, token):
+            return None
+        await self.d._ready()
+        loop = asyncio.get_running_loop()
+
+        def read(i: int, start: int, stop: int) -> np.ndarray:  # on the writer's thread
+            def part(rank: int, a: int, b: int) -> np.ndarray:
+                return asyncio.run_coroutine_threadsafe(self.d.read_unit(i * units + rank, a, b), loop).result()
+
+            return read_fragment_range(fragments[i], units, part, start, stop)
+
+        names = await asyncio.to_thread(write_hf_weights, fragments, read, Path(out_dir), dtype)
+        return {n: (Path(out_dir) / n).stat().st_size for n in names}
+
+    async def load_state_file(self, entry: dict[str, Any], checkpoint_id: str | None) -> bool:
+        """See :meth:`OuterDriver.load_state_file`."""
+        from ray_diloco.components.checkpoint import read_own_state
+
+        state = await asyncio.to_thread(read_own_state, entry, checkpoint_id)
+        if state is None:
+            return False
+        await self.d.init_global(state["global"])
+        await self.d.load_state_dict(state)
+        return True
+
+    async def memory(self) -> dict[str, int]:
+        """See :meth:`OuterDriver.memory`."""
+        d, book = self.d, self.d.book
+        shards = await d.recovery.all("memory")
+        held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in book.finished.values())
+        out = {
+            "backup_bytes": sum(m["backup_bytes"] for m in shards),  # copies of neighbours' state
+            "open_rounds": len(book.rounds),
+            "finished_rounds": len(book.finished),
+            "held_bytes": held,
+            "events": len(book.events),
+            "stats": len(book.stats),
+            "failed_rounds": book.failed_rounds,
+            "rss_bytes": _rss_bytes(),
+        }
+        if d.shards.actors:
+            out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
+        return out
+
+
+class _Rounds:
+    """The driver's side of the sync rounds: it feeds arrivals and timers into the
+    :class:`~ray_diloco.core.rounds.RoundBook` and carries the book's decisions out on the outer
+    shards (check, step, reply, resync), never blocking the event loop.
+
+    Args:
+        driver: the :class:`OuterDriver` whose book, shards and recovery it uses.
+    """
+
+    def __init__(self, driver: OuterDriver):
+        self.d = driver
+        self._done: dict[tuple[int, int], asyncio.Event] = {}  # an open round's end, for its waiters
+
+    def open(self, fragment: int, step: int, average_only: bool) -> Round:
+        self._done.setdefault((fragment, step), asyncio.Event())
+        return self.d.book.open(fragment, step, average_only)
+
+    def start_finish(self, fragment: int, step: int) -> None:
+        """The book closed the round: take its step (or fail it) in the background."""
+        asyncio.ensure_future(self._finish(fragment, step, self.d.book.rounds[(fragment, step)]))
+
+    async def _finish(self, fragment: int, step: int, r: Round) -> None:
+        async with self.d._locks[fragment]:  # rounds of a fragment step in the order they closed
+            await self.d.recovery.settle(fragment)  # the previous step's copies are kept (or a rebuild redoes it)
+            try:
+                outcome = await self._step_round(fragment, step, r)
+            except Exception as e:  # a bug, not a replica's fault: fail the round loudly, keep serving
+                outcome = self.d.book.failed(fragment, step, error=repr(e))
+                try:
+                    await self.d.recovery.all("discard", fragment, step)
+                except Exception:  # a shard is gone: the next ping says so
+                    pass
+        self.d.book.finish(fragment, step, outcome)
+        self._done.pop((fragment, step)).set()
+
+    async def _step_round(self, fragment: int, step: int, r: Round) -> Finished:
+        """The outer step on every shard with the book's ordered terms (replica-id order), or a
+        failed round without quorum."""
+        terms = self.d.book.terms(fragment, step)
+        if terms is None:
+            await self.d.recovery.all("discard", fragment, step)
+            return self.d.book.failed(fragment, step)
+        outs = await self.d.recovery.step_all(fragment, step, terms, r)
+        errors = [o for o in outs if isinstance(o, BaseException)]
+        if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
+            self.d._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
+                            f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
+        if errors:
+            raise errors[0]
+        refs, version = [o[0] for o in outs], outs[0][3]
+        outcome = self.d.book.stepped(fragment, step, version, list(refs), sum(o[1] for o in outs),
+                                    _combine_norms([o[2] for o in outs]))  # fmt: skip
+        self.d.recovery.after_step(fragment, _Stepped(step, terms, dict(r.parts), r.average_only, version), refs)
+        return outcome
+
+    async def wait(self, fragment: int, step: int) -> None:
+        """Until the open round is finished; it is closed at its deadline (the timeout plus the
+        transfer allowance of the fragment's bytes)."""
+        assert self.d.numels is not None  # init_global first
+        done = self._done[(fragment, step)]
+        allowance = transfer_allowance_s(message_nbytes(self.d.numels[fragment], "none"))
+        remaining = self.d.book.deadline(fragment, step, allowance) - time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(done.wait()), timeout=max(0.0, remaining))
+        except asyncio.TimeoutError:
+            if self.d.book.time_out(fragment, step):
+                self.start_finish(fragment, step)
+        await done.wait()
+
+    async def reply(self, fragment: int, step: int, replica: int, version: int) -> Reply:
+        r = self.d.book.rounds.get((fragment, step))
+        if r is not None and r.closing:
+            await self._done[(fragment, step)].wait()
+        a = self.d.book.answer(fragment, step, replica, version)
+        if not a.resync:
+            return Reply(a.status, a.version, a.message, size=a.size)
+        async with self.d._locks[fragment]:  # not in the middle of a step of this fragment
+            outs = await self.d.recovery.all("current", fragment)
+        return Reply(a.status, outs[0][0], [o[1] for o in outs], resync=True, size=sum(o[2] for o in outs))
+
+    def parts(self, message: Any) -> list[Any] | None:
+        """The message's K parts, one per shard (``[ref, ...]`` from a replica's link, whatever K).
+        Raises ValueError when it is not a list of ``diloco.outer_shards`` K parts."""
+        if message is not None and (not isinstance(message, list) or len(message) != self.d.shards.k):
+            got = f"in {len(message)} parts" if isinstance(message, list) else f"as a {type(message).__name__}"
+            raise ValueError(
+                f"a pseudo-gradient {got}, expected diloco.outer_shards = {self.d.shards.k} parts in a list"
+            )
+        return message
+
+    async def checked(self, fragment: int, step: int, replica: int, parts: list[Any]) -> list[Any] | None:
+        """Every shard's check of ``replica``'s parts (a duplicate refused first), or None when
+        they died with their sender's node."""
+        self.d.book.begin_check(fragment, step, replica)
+        try:
+            return await self.d.recovery.check(fragment, step, replica, parts)
+        finally:
+            self.d.book.end_check(fragment, step, replica)
+
+
+class OuterDriver:
+    """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor): it feeds
+    arrivals and timers into its :class:`~ray_diloco.core.rounds.RoundBook` (every rule of a
+    round) and carries the book's decisions out on the outer shards (check, step, reply, resync).
+
+    Args:
+        initial: fp32 ``[numel_p]`` per fragment (the replicas' common initialisation), or None
+            to give it later with :meth:`init_global` (the trainer starts this actor's process
+            while the replicas start, before their initialisation is known).
+        cfg: the run config (dict). members: ``{replica id: join step}`` of the replicas that
+            start with the run (default: ``0 .. diloco.replicas - 1`` at step 0).
+    """
+
+    def __init__(self, initial: list[np.ndarray] | None, cfg: dict[str, Any], members: dict[int, int] | None = None):
+        from ray_diloco.config import load_config
+
+        self.cfg = c = load_config(cfg, validate=False)
+        self.numels: list[int] | None = None
+        start = dict(members) if members is not None else {m: 0 for m in range(c.diloco.replicas)}
+        self.book = RoundBook(start, c.diloco.min_replicas, c.diloco.sync_timeout_s, KEEP_FINISHED, MAX_EVENTS)
+        self.shards = ShardGroup(self.cfg.to_dict(), c.diloco.outer_shards)
+        self.recovery = _Recovery(self)
+        self.files = _DriverFiles(self)
+        self.rounds = _Rounds(self)
+        self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
+        self._broken: str | None = None  # K > 1 shards out of step: the run must stop (ping raises)
+        if initial is not None:
+            values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
+            if self.shards.local is not None:  # in process: at once
+                self._set_numels(self.shards.local.set_global(values))
+            else:  # actors: they take their slices while the driver starts serving (put once, by reference)
+                refs = [ray.put(v) for v in values]
+                self._pending_init = [a.init_global.remote(refs) for a in self.shards.actors]
+                self._set_numels([v.size for v in values])
+
+    async def init_global(self, initial: list[Any]) -> None:
+        """Set the global parameters (fp32 ``[numel_p]`` per fragment, or an ObjectRef of one: the
+        trainer passes rank 0's fragments by reference, so they never pass through the job's
+        process) and a zero outer-optimiser state, once, before any round. Each shard fetches
+        the fragments and keeps its slice.
+
+        Raises:
+            RuntimeError: the global parameters were already set.
+        """
+        if self.numels is not None:
+            raise RuntimeError("the outer driver's global parameters are already set")
+        numels = await self.recovery.starting(self.shards.all("init_global", list(initial)))
+        self._set_numels(numels[0])
+
+    def _set_numels(self, numels: list[int]) -> None:
+        self.numels = list(numels)
+        self.book.set_fragments(len(numels))
+        self._locks = [asyncio.Lock() for _ in numels]  # outer steps of a fragment, one at a time, in order
 
     async def _ready(self) -> None:
         """Wait for the shard actors' initialisation (every caller awaits the same calls) and their
@@ -445,6 +621,7 @@ class _DriverReads:
         if self.recovery.enabled and not self.recovery.seeded and self.numels is not None:
             await self.recovery.starting(self.recovery.seed())
 
+    # -- liveness and membership -------------------------------------------------------------
     async def ping(self) -> int:
         """The driver's process id (the trainer's liveness check; answered during an outer step).
         With K > 1 every shard must answer too.
@@ -462,14 +639,36 @@ class _DriverReads:
         """Process ids of the outer-optimiser side: this driver, then its shard actors (K > 1)."""
         return [os.getpid(), *(await asyncio.gather(*(a.ping.remote() for a in self.shards.actors)))]
 
+    def add_member(self, replica: int, join_step: int, **info: Any) -> None:
+        """Expect ``replica`` in every round sent after inner step ``join_step`` (``info`` goes
+        into the join event)."""
+        self.book.add_member(replica, join_step, **info)
+
+    def remove_member(self, replica: int, reason: str, kind: str = "death") -> None:
+        """Stop expecting ``replica`` (``kind``: ``death`` or ``leave``); open rounds that now
+        have every remaining member's answer complete at once."""
+        for fragment, step in self.book.remove_member(replica, reason, kind):
+            self.rounds.start_finish(fragment, step)
+
+    def member_ids(self) -> dict[int, int]:
+        """``{replica id: join step}`` of the current members."""
+        return dict(self.book.members)
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Membership and round events since the last call (``core.rounds``), oldest first."""
+        return self.book.take_events()
+
     async def take_stats(self, max_send_step: int | None = None) -> list[dict[str, Any]]:
         """Per-round figures (fragment, send step, update norm, bytes) of the completed rounds sent
         at or before ``max_send_step`` (all if None); later ones are kept for a later call (and in
         :meth:`state_dict`), so each round is reported in the outer step its replicas merge it."""
-        due = [r for r in self.stats if max_send_step is None or r["step"] <= max_send_step]
-        self.stats = [r for r in self.stats if not (max_send_step is None or r["step"] <= max_send_step)]
-        return due
+        return self.book.take_stats(max_send_step)
 
+    def pending_rounds(self) -> int:
+        """Open rounds (waiting for pseudo-gradients or closing)."""
+        return len(self.book.rounds)
+
+    # -- reads (while no outer step runs) ------------------------------------------------------
     async def _quiet(self, name: str, *args: Any) -> list[Any]:
         """``name`` on every shard while no outer step runs (every fragment's lock held, taken in
         fragment order): reads see one version of every slice."""
@@ -510,42 +709,36 @@ class _DriverReads:
 
     async def global_versions(self) -> list[int]:
         """Outer steps applied to each fragment (what a joiner's versions start from)."""
-        return list(self.versions)
+        return list(self.book.versions)
 
+    # -- checkpoints -------------------------------------------------------------------------
     async def state_dict(self) -> dict[str, Any]:
         """The outer optimiser's state (global parameters, optimiser buffers, steps), the downlink
         residuals, fragment versions, the newest finished round per fragment and the figures of
         completed rounds not yet reported: the K = 1 layout whatever K (shards' slices joined)."""
-        states = await self._quiet("state_dict")
-        if len(states) == 1:
-            out = states[0]
-        else:
-            assert self.numels is not None  # init_global first
-            bounds = [shard_bounds(n, self.shards.k) for n in self.numels]
-            residuals = [
-                None
-                if all(s["residuals"][f] is None for s in states)
-                else np.concatenate(
-                    [
-                        np.zeros(b.stop - b.start, np.float32) if s["residuals"][f] is None else s["residuals"][f]
-                        for s, b in zip(states, bounds[f])
-                    ]
-                )
-                for f in range(len(self.numels))
-            ]
-            out = {
-                "global": [np.concatenate([s["global"][f] for s in states]) for f in range(len(self.numels))],
-                "optimizers": [
-                    join_optimizer_states([s["optimizers"][f] for s in states], bounds[f])
-                    for f in range(len(self.numels))
-                ],
-                "steps": list(states[0]["steps"]),
-                "residuals": residuals,
-            }
-        out.update(
-            {"versions": list(self.versions), "completed": list(self.last_finished), "stats": copy.deepcopy(self.stats)}
-        )
+        assert self.numels is not None  # init_global first
+        out = join_outer_states(await self._quiet("state_dict"), self.numels)
+        book = self.book
+        out.update({"versions": list(book.versions), "completed": list(book.last_finished),
+                    "stats": copy.deepcopy(book.stats)})  # fmt: skip
         return out
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (each shard takes its slice of the one object)."""
+        await self._quiet("load_state_dict", ray.put(state) if self.shards.actors else state)
+        self.recovery.seeded = False  # the copies are sent again before the next round
+        assert self.numels is not None  # init_global first
+        n = len(self.numels)
+        self.book.restore(state.get("versions", [0] * n), state.get("completed", [0] * n),
+                          copy.deepcopy(list(state.get("stats", []))))  # fmt: skip
+
+    async def state_hash(self) -> dict[str, str]:
+        """sha256 of the global parameters and of the outer optimiser buffers (the same for every
+        K: computed over the whole state's bytes in fragment order)."""
+        if self.shards.local is not None:
+            return await self.shards.local.state_hash()
+        state = await self.state_dict()
+        return outer_state_hash(state["global"], [o["state"].get(0, {}) for o in state["optimizers"]])
 
     async def save_state(self, path: str, token: str | None = None, upload: str | None = None) -> dict[str, Any]:
         """Write :meth:`state_dict` with ``checkpoint_id`` ``token`` to ``path`` (a checkpoint's
@@ -557,22 +750,7 @@ class _DriverReads:
 
         Raises:
             CheckpointError: the file cannot be written."""
-        from pathlib import Path
-
-        from ray_diloco.components.checkpoint import sees_marker, write_state_file
-
-        node = ray.get_runtime_context().get_node_id()
-        if token is not None and not sees_marker(Path(path).parent, token):
-            return {"unseen": True, "node": node}
-        from ray_diloco.components.storage import upload_file
-
-        state = {**(await self.state_dict()), "checkpoint_id": token}
-        size = await asyncio.to_thread(write_state_file, Path(path), state)
-        info = {"file": Path(path).name, "bytes": size, "node": node}
-        if upload:
-            problem = await asyncio.to_thread(upload_file, Path(path), upload)
-            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
-        return info
+        return await self.files.save_state(path, token, upload)
 
     async def export_weights(
         self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype, token: str
@@ -585,25 +763,7 @@ class _DriverReads:
         is made. ``fragments``: the run's plan, ``units`` the exchange units per fragment (FSDP:
         W). Call when no outer step runs (the end of a run). Returns ``{file: bytes}``, or None
         when this node does not see ``out_dir`` (no ``token`` marker there)."""
-        from pathlib import Path
-
-        from ray_diloco.components.checkpoint import sees_marker
-        from ray_diloco.components.export import write_hf_weights
-        from ray_diloco.core.shards import read_fragment_range
-
-        if not sees_marker(out_dir, token):
-            return None
-        await self._ready()
-        loop = asyncio.get_running_loop()
-
-        def read(i: int, start: int, stop: int) -> np.ndarray:  # on the writer's thread
-            def part(rank: int, a: int, b: int) -> np.ndarray:
-                return asyncio.run_coroutine_threadsafe(self.read_unit(i * units + rank, a, b), loop).result()
-
-            return read_fragment_range(fragments[i], units, part, start, stop)
-
-        names = await asyncio.to_thread(write_hf_weights, fragments, read, Path(out_dir), dtype)
-        return {n: (Path(out_dir) / n).stat().st_size for n in names}
+        return await self.files.export_weights(out_dir, fragments, units, dtype, token)
 
     async def load_state_file(self, entry: dict[str, Any], checkpoint_id: str | None = None) -> bool:
         """Set the global parameters and restore the outer state from a checkpoint's ``outer.pt``
@@ -613,282 +773,17 @@ class _DriverReads:
 
         Raises:
             CheckpointError: the file is unreadable. RuntimeError: already set."""
-        from ray_diloco.components.checkpoint import read_own_state
-
-        state = await asyncio.to_thread(read_own_state, entry, checkpoint_id)
-        if state is None:
-            return False
-        await self.init_global(state["global"])
-        await self.load_state_dict(state)
-        return True
-
-    async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (each shard takes its slice of the one object)."""
-        await self._quiet("load_state_dict", ray.put(state) if self.shards.actors else state)
-        self.recovery.seeded = False  # the copies are sent again before the next round
-        assert self.numels is not None  # init_global first
-        n = len(self.numels)
-        self.versions = list(state.get("versions", [0] * n))
-        self.last_finished = list(state.get("completed", [0] * n))
-        self.stats = copy.deepcopy(list(state.get("stats", [])))
-
-    async def state_hash(self) -> dict[str, str]:
-        """sha256 of the global parameters and of the outer optimiser buffers (the same for every
-        K: computed over the whole state's bytes in fragment order)."""
-        if self.shards.local is not None:
-            return await self.shards.local.state_hash()
-        state = await self.state_dict()
-        return outer_state_hash(state["global"], [o["state"].get(0, {}) for o in state["optimizers"]])
-
-    def pending_rounds(self) -> int:
-        """Open rounds (waiting for pseudo-gradients or closing)."""
-        return len(self.rounds)
+        return await self.files.load_state_file(entry, checkpoint_id)
 
     async def memory(self) -> dict[str, int]:
         """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients
         held by the shards, kept replies), the shards' copies of each other's state
-        (``diloco.outer_shard_backup``; as many bytes move per outer step), queued events and stats, and the resident memory
-        (bytes, from /proc; 0 where unavailable) of the driver and of each shard."""
-        shards = await self.recovery.all("memory")
-        held = sum(m["held_bytes"] for m in shards) + sum(f.size for f in self.finished.values())
-        out = {
-            "backup_bytes": sum(m["backup_bytes"] for m in shards),  # copies of neighbours' state
-            "open_rounds": len(self.rounds),
-            "finished_rounds": len(self.finished),
-            "held_bytes": held,
-            "events": len(self.events),
-            "stats": len(self.stats),
-            "failed_rounds": self.failed_rounds,
-            "rss_bytes": _rss_bytes(),
-        }
-        if self.shards.actors:
-            out["shard_rss_bytes"] = [m["rss_bytes"] for m in shards]
-        return out
-
-
-class OuterDriver(_DriverReads):
-    """The outer-optimiser driver (use :data:`OuterDriverActor` for the Ray actor).
-
-    Args:
-        initial: fp32 ``[numel_p]`` per fragment (the replicas' common initialisation), or None
-            to give it later with :meth:`init_global` (the trainer starts this actor's process
-            while the replicas start, before their initialisation is known).
-        cfg: the run config (dict). members: ``{replica id: join step}`` of the replicas that
-            start with the run (default: ``0 .. diloco.replicas - 1`` at step 0).
-    """
-
-    def __init__(self, initial: list[np.ndarray] | None, cfg: dict[str, Any], members: dict[int, int] | None = None):
-        from ray_diloco.config import load_config
-
-        self.cfg = load_config(cfg, validate=False)
-        c = self.cfg
-        self.numels: list[int] | None = None
-        self.quorum = c.diloco.min_replicas
-        self.timeout_s = c.diloco.sync_timeout_s
-        self.members: dict[int, int] = dict(members) if members is not None else \
-            {m: 0 for m in range(c.diloco.replicas)}  # fmt: skip
-        self.removed: set[int] = set()
-        self.rounds: dict[tuple[int, int], _Round] = {}
-        self.finished: dict[tuple[int, int], _Finished] = {}
-        self.stats: list[dict[str, Any]] = []
-        self.events: deque = deque(maxlen=MAX_EVENTS)
-        self.failed_rounds = 0
-        self.shards = ShardGroup(self.cfg.to_dict(), c.diloco.outer_shards)
-        self.recovery = _Recovery(self)
-        self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
-        self._broken: str | None = None  # K > 1 shards out of step: the run must stop (ping raises)
-        self._checking: set[tuple[int, int, int]] = set()  # (fragment, step, replica) being checked
-        if initial is not None:
-            values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
-            if self.shards.local is not None:  # in process: at once
-                self._set_numels(self.shards.local.set_global(values))
-            else:  # actors: they take their slices while the driver starts serving (put once, by reference)
-                refs = [ray.put(v) for v in values]
-                self._pending_init = [a.init_global.remote(refs) for a in self.shards.actors]
-                self._set_numels([v.size for v in values])
-
-    async def init_global(self, initial: list[Any]) -> None:
-        """Set the global parameters (fp32 ``[numel_p]`` per fragment, or an ObjectRef of one: the
-        trainer passes rank 0's fragments by reference, so they never pass through the job's
-        process) and a zero outer-optimiser state, once, before any round. Each shard fetches
-        the fragments and keeps its slice.
-
-        Raises:
-            RuntimeError: the global parameters were already set.
-        """
-        if self.numels is not None:
-            raise RuntimeError("the outer driver's global parameters are already set")
-        numels = await self.recovery.starting(self.shards.all("init_global", list(initial)))
-        self._set_numels(numels[0])
-
-    def _set_numels(self, numels: list[int]) -> None:
-        self.numels = list(numels)
-        self.versions = [0] * len(numels)
-        self.finished_order: list[deque] = [deque() for _ in numels]
-        self.last_finished = [0] * len(numels)  # send step of the newest finished round
-        self._locks = [asyncio.Lock() for _ in numels]  # outer steps of a fragment, one at a time, in order
-
-    # -- membership --------------------------------------------------------------------------
-    def add_member(self, replica: int, join_step: int, **info: Any) -> None:
-        """Expect ``replica`` in every round sent after inner step ``join_step`` (``info`` goes
-        into the join event)."""
-        self.members[int(replica)] = int(join_step)
-        self.removed.discard(int(replica))
-        self._event("join", replica, step=join_step, **info)
-
-    def remove_member(self, replica: int, reason: str, kind: str = "death") -> None:
-        """Stop expecting ``replica`` (``kind``: ``death`` or ``leave``); open rounds that now
-        have every remaining member's answer complete at once."""
-        if self.members.pop(int(replica), None) is None:
-            return
-        self.removed.add(int(replica))
-        self._event(kind, replica, reason=reason)
-        for key in list(self.rounds):
-            self._maybe_finish(*key)
-
-    def member_ids(self) -> dict[int, int]:
-        """``{replica id: join step}`` of the current members."""
-        return dict(self.members)
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """Membership events since the last call (join, leave, death, timeout, late, rejected,
-        round_failed), oldest first."""
-        out = list(self.events)
-        self.events.clear()
-        return out
-
-    def _event(self, kind: str, replica: int | None = None, **info: Any) -> None:
-        self.events.append({"event": kind, "replica": replica, "time": time.time(), **info})
+        (``diloco.outer_shard_backup``; as many bytes move per outer step), queued events and
+        stats, and the resident memory (bytes, from /proc; 0 where unavailable) of the driver
+        and of each shard."""
+        return await self.files.memory()
 
     # -- rounds ------------------------------------------------------------------------------
-    def _check(self, fragment: int, replica: int) -> None:
-        assert self.numels is not None  # init_global first
-        if not 0 <= fragment < len(self.numels):
-            raise ValueError(f"fragment {fragment}: not in [0, {len(self.numels)})")
-        if replica not in self.members and replica not in self.removed:
-            raise ValueError(f"replica {replica}: not a member of this run (members: {sorted(self.members)})")
-
-    def _is_closed(self, fragment: int, step: int) -> bool:
-        r = self.rounds.get((fragment, step))
-        if r is not None:
-            return r.closing
-        return (fragment, step) in self.finished or step <= self.last_finished[fragment]
-
-    def _open(self, fragment: int, step: int) -> _Round:
-        r = self.rounds.get((fragment, step))
-        if r is None:
-            r = self.rounds[(fragment, step)] = _Round(time.monotonic())
-        return r
-
-    def _expected(self, step: int) -> set[int]:
-        return {m for m, joined in self.members.items() if joined < step}
-
-    def _maybe_finish(self, fragment: int, step: int) -> None:
-        r = self.rounds.get((fragment, step))
-        if r is None or r.closing:
-            return
-        if r.arrived and self._expected(step) <= r.arrived:
-            self._close(fragment, step, "complete")
-
-    def _close(self, fragment: int, step: int, cause: str) -> None:
-        r = self.rounds[(fragment, step)]
-        r.closing = True
-        if cause == "timeout":
-            for m in sorted(self._expected(step) - r.arrived):
-                self._event("timeout", m, fragment=fragment, step=step, timeout_s=self.timeout_s)
-        asyncio.ensure_future(self._finish(fragment, step, r))
-
-    async def _finish(self, fragment: int, step: int, r: _Round) -> None:
-        async with self._locks[fragment]:  # rounds of a fragment step in the order they closed
-            await self.recovery.settle(fragment)  # the previous step's copies are kept (or a rebuild redoes it)
-            base = self.versions[fragment]
-            try:
-                rec = await self._step_round(fragment, step, r)
-            except Exception as e:  # a bug, not a replica's fault: fail the round loudly, keep serving
-                self._event("round_failed", None, fragment=fragment, step=step, error=repr(e))
-                rec = _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
-                try:
-                    await self.recovery.all("discard", fragment, step)
-                except Exception:  # a shard is gone: the next ping says so
-                    pass
-        if rec.failed:
-            self.failed_rounds += 1
-        self.finished[(fragment, step)] = rec
-        keep = self.finished_order[fragment]
-        keep.append((fragment, step))
-        while len(keep) > KEEP_FINISHED:
-            self.finished.pop(keep.popleft(), None)
-        self.last_finished[fragment] = max(self.last_finished[fragment], step)
-        self.rounds.pop((fragment, step), None)
-        r.done.set()
-
-    async def _step_round(self, fragment: int, step: int, r: _Round) -> _Finished:
-        """The outer step on every shard with the same ordered terms (replica-id order), or a
-        failed round without quorum."""
-        base = self.versions[fragment]
-        order = sorted(r.weights)
-        if len(order) >= self.quorum and sum(r.weights.values()) > 0:
-            terms = [(m, r.weights[m]) for m in order]
-            outs = await self.recovery.step_all(fragment, step, terms, r)
-            errors = [o for o in outs if isinstance(o, BaseException)]
-            if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
-                self._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
-                                f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
-            if errors:
-                raise errors[0]
-            refs = [o[0] for o in outs]
-            size, update_norm = sum(o[1] for o in outs), _combine_norms([o[2] for o in outs])
-            self.versions[fragment] = outs[0][3]
-            self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
-                               "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
-                               "bytes_up": r.bytes_up, "bytes_down": size * len(self._expected(step) | set(order))})  # fmt: skip
-            message = list(refs)  # one message per shard, whatever K
-            r.stepped = True
-            self.recovery.after_step(fragment, _Stepped(step, terms, dict(r.parts), r.average_only, outs[0][3]), refs)
-            return _Finished(False, base, message, size, frozenset(order), frozenset(r.rejected))
-        await self.recovery.all("discard", fragment, step)
-        self._event("round_failed", None, fragment=fragment, step=step, valid=len(order), quorum=self.quorum,
-                    cause="timeout" if self._expected(step) - r.arrived else "complete")  # fmt: skip
-        return _Finished(True, base, None, 0, frozenset(), frozenset(r.rejected))
-
-    async def _wait(self, fragment: int, step: int, r: _Round) -> None:
-        assert self.numels is not None  # init_global first
-        timeout = self.timeout_s + transfer_allowance_s(message_nbytes(self.numels[fragment], "none"))
-        remaining = r.opened + timeout - time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(r.done.wait()), timeout=max(0.0, remaining))
-        except asyncio.TimeoutError:
-            if not r.closing:
-                self._close(fragment, step, "timeout")
-        await r.done.wait()
-
-    async def _reply(self, fragment: int, step: int, replica: int, version: int) -> Reply:
-        r = self.rounds.get((fragment, step))
-        if r is not None and r.closing:
-            await r.done.wait()
-        rec = self.finished.get((fragment, step))
-        if rec is None:  # forgotten (very late): catch up with the current global fragment
-            status = DROPPED
-        else:
-            status = OK if replica in rec.included else REJECTED if replica in rec.rejected else \
-                FAILED if rec.failed else DROPPED  # fmt: skip
-        if rec is not None and not rec.failed and version == rec.base_version:
-            return Reply(status, rec.base_version + 1, rec.message, size=rec.size)
-        if version == self.versions[fragment]:
-            return Reply(status, self.versions[fragment])
-        async with self._locks[fragment]:  # not in the middle of a step of this fragment
-            outs = await self.recovery.all("current", fragment)
-        refs = [o[1] for o in outs]
-        return Reply(status, outs[0][0], refs, resync=True, size=sum(o[2] for o in outs))
-
-    def _parts(self, message: Any) -> list[Any] | None:
-        """The message's K parts, one per shard (``[ref, ...]`` from a replica's link, whatever K).
-        Raises ValueError when it is not a list of ``diloco.outer_shards`` K parts."""
-        if message is not None and (not isinstance(message, list) or len(message) != self.shards.k):
-            got = f"in {len(message)} parts" if isinstance(message, list) else f"as a {type(message).__name__}"
-            raise ValueError(f"a pseudo-gradient {got}, expected diloco.outer_shards = {self.shards.k} parts in a list")
-        return message
-
     async def exchange(self, fragment: int, step: int, replica: int, weight: float, message: Any,
                        version: int = 0, average_only: bool = False) -> Reply:  # fmt: skip
         """Submit replica ``replica``'s pseudo-gradient of ``fragment`` sent at inner step
@@ -906,63 +801,44 @@ class OuterDriver(_DriverReads):
             ValueError: bad fragment or replica, a duplicate submission, a malformed message.
         """
         await self._ready()
-        self._check(fragment, replica)
-        parts = self._parts(message)
+        self.book.validate(fragment, replica)
+        parts = self.rounds.parts(message)
         del message
-        if replica not in self.members or self.members[replica] >= step or self._is_closed(fragment, step):
-            if replica in self.members and self._is_closed(fragment, step):
-                self._event("late", replica, fragment=fragment, step=step)
-            return await self._reply(fragment, step, replica, version)
-        key = (fragment, step, replica)
-        if key in self._checking or replica in getattr(self.rounds.get((fragment, step)), "arrived", ()):
-            raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
-        valid = parts is not None and bool(np.isfinite(weight)) and weight >= 0
-        norms: list[float | None]
-        norms, size = [None], 0
-        if valid:  # checked before the round counts it: a malformed message changes nothing
-            assert parts is not None  # valid
-            self._checking.add(key)
-            try:
-                checks = await self.recovery.check(fragment, step, replica, parts)
-            finally:
-                self._checking.discard(key)
+        if not self.book.admits(fragment, step, replica):
+            return await self.rounds.reply(fragment, step, replica, version)
+        norm, size = None, 0
+        if parts is not None and bool(np.isfinite(weight)) and weight >= 0:  # checked before the round counts it
+            checks = await self.rounds.checked(fragment, step, replica, parts)
             if checks is None:  # it died with its sender's node: as its death, no error
-                return Reply(DROPPED, self.versions[fragment])
+                return Reply(DROPPED, self.book.versions[fragment])
             norms, size = [c[0] for c in checks], sum(c[1] for c in checks)
-            if replica not in self.members or self._is_closed(fragment, step):  # closed while it was checked
+            if not self.book.admits(fragment, step, replica):  # closed while it was checked
                 await self.recovery.all("discard", fragment, step, replica)
-                if replica in self.members:
-                    self._event("late", replica, fragment=fragment, step=step)
-                return await self._reply(fragment, step, replica, version)
-        r = self._open(fragment, step)
-        r.average_only = r.average_only or average_only
-        r.arrived.add(replica)
-        r.bytes_up += size
-        if not valid or any(n is None for n in norms):  # slices a shard kept are dropped by the round's step
-            r.rejected.add(replica)
-            self._event("rejected", replica, fragment=fragment, step=step, reason="non-finite pseudo-gradient")
+                return await self.rounds.reply(fragment, step, replica, version)
+            norm = None if any(n is None for n in norms) else _combine_norms(norms)
         else:
-            r.weights[replica] = float(weight)
-            r.norms[replica] = _combine_norms(cast(list[float], norms))  # none is None here
-            r.parts[replica] = cast(list[Any], parts)  # its references, to rebuild a lost shard (until stepped)
+            self.book.begin_check(fragment, step, replica)  # a duplicate is refused all the same
+            self.book.end_check(fragment, step, replica)
+        self.rounds.open(fragment, step, average_only)
+        # a rejected one's slices a shard kept are dropped by the round's step; a valid one's
+        # references are kept to rebuild a lost shard (until stepped)
+        if self.book.arrive(fragment, step, replica, weight, norm, size, parts, average_only):
+            self.rounds.start_finish(fragment, step)
         del parts
-        self._maybe_finish(fragment, step)
-        if not r.done.is_set():
-            await self._wait(fragment, step, r)
-        return await self._reply(fragment, step, replica, version)
+        if (fragment, step) in self.book.rounds:
+            await self.rounds.wait(fragment, step)
+        return await self.rounds.reply(fragment, step, replica, version)
 
     async def result(self, fragment: int, step: int, replica: int = 0, version: int = 0,
                      average_only: bool = False) -> Reply:  # fmt: skip
         """The reply of a round for a rank > 0 of ``replica`` (waits for the round, at most its
         timeout after it opened)."""
         await self._ready()
-        self._check(fragment, replica)
-        if replica in self.members and not self._is_closed(fragment, step):
-            r = self._open(fragment, step)
-            r.average_only = r.average_only or average_only
-            if not r.done.is_set():
-                await self._wait(fragment, step, r)
-        return await self._reply(fragment, step, replica, version)
+        self.book.validate(fragment, replica)
+        if replica in self.book.members and not self.book.is_closed(fragment, step):
+            self.rounds.open(fragment, step, average_only)
+            await self.rounds.wait(fragment, step)
+        return await self.rounds.reply(fragment, step, replica, version)
 
 
 #: The driver as a Ray actor. It reserves no CPU (it must not take a core a replica worker

@@ -24,10 +24,11 @@ from ray_diloco.config import OuterConfig
 from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
 from ray_diloco.core.quantize import decode, from_message, quantize_message, quantize_with_feedback
+from ray_diloco.core.rounds import RoundBook
 from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import FragmentSync
-from ray_diloco.core.wire import FAILED, OK, REJECTED, Downlink, Reply, SyncResult, decode_reply
+from ray_diloco.core.wire import OK, Downlink, Reply, SyncResult, decode_reply
 
 SHAPES = {"embed.weight": (7, 3), "blocks.0.w": (5,), "blocks.0.b": (4,), "blocks.1.w": (6,), "blocks.1.b": (2,),
           "blocks.2.w": (3, 2), "blocks.3.w": (5,), "head.weight": (3,)}
@@ -50,53 +51,66 @@ def _noise(replica: int, t: int) -> dict[str, torch.Tensor]:
 
 
 class MemoryDriver:
-    """The outer optimiser in process: a round completes when every replica has sent.
+    """The outer optimiser in process, synchronous: the round rules of ``core.rounds.RoundBook``
+    (what ``runtime/driver.py`` runs), the outer step of ``core.outer.OuterOptimizer`` and the
+    downlink of ``core.wire``; a round completes when every replica has sent.
 
     ``fail``: rounds ``(fragment, step)`` that fail (as without a quorum). A replica that sends
-    no message (a non-finite pseudo-gradient) is rejected, as in ``runtime/driver.py``.
+    no message (a non-finite pseudo-gradient) is rejected.
     """
 
     def __init__(self, initial: list[torch.Tensor], replicas: int, fmt: str = "none", fail=()):
         self.opt = OuterOptimizer([g.numpy() for g in initial], OUTER)
-        self.replicas, self.fmt, self.fail = replicas, fmt, set(fail)
+        self.fmt, self.fail = fmt, set(fail)
         self.downlink = Downlink(fmt, False, len(initial))
-        self.versions = [0] * len(initial)
+        self.book = RoundBook({m: 0 for m in range(replicas)}, quorum=1, timeout_s=10.0, keep_finished=1000)
+        self.book.set_fragments(len(initial))
         self.lock = threading.Lock()
-        self.rounds: dict[tuple[int, int], dict[str, Any]] = {}
+        self.done: dict[tuple[int, int], threading.Event] = {}
+        self.deltas: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         self.weights: dict[tuple[int, int], dict[int, float]] = {}
+
+    @property
+    def versions(self) -> list[int]:
+        return self.book.versions
 
     def exchange(self, fragment: int, step: int, replica: int, weight: float, message: bytes | None,
                  version: int, average_only: bool) -> Reply:
+        key = (fragment, step)
         with self.lock:
-            r = self.rounds.setdefault((fragment, step), {"in": {}, "done": threading.Event(), "avg": False})
-            r["in"][replica] = (weight, None if message is None else decode(from_message(message)))
-            r["avg"] = r["avg"] or average_only
-            assert version == self.versions[fragment]  # no resync in these tests
-            self.weights.setdefault((fragment, step), {})[replica] = weight
-            if len(r["in"]) == self.replicas:
-                self._finish(fragment, step, r)
-        assert r["done"].wait(10), f"round {(fragment, step)} never completed"
-        return r["replies"][replica]
+            assert version == self.book.versions[fragment]  # no resync in these tests
+            done = self.done.setdefault(key, threading.Event())
+            self.weights.setdefault(key, {})[replica] = weight
+            if message is not None:
+                self.deltas.setdefault(key, {})[replica] = decode(from_message(message))
+            if self.book.arrive(fragment, step, replica, weight, None if message is None else 0.0,
+                                average_only=average_only):
+                self._finish(fragment, step)
+        assert done.wait(10), f"round {key} never completed"
+        with self.lock:
+            a = self.book.answer(fragment, step, replica, version)
+        return Reply(a.status, a.version, a.message)
 
-    def _finish(self, fragment: int, step: int, r: dict[str, Any]) -> None:
-        base = self.versions[fragment]
-        valid = sorted(m for m, (_, d) in r["in"].items() if d is not None)
-        if (fragment, step) in self.fail or not valid:
-            r["replies"] = {m: Reply(FAILED, base) for m in r["in"]}
+    def _finish(self, fragment: int, step: int) -> None:
+        key = (fragment, step)
+        terms = None if key in self.fail else self.book.terms(fragment, step)
+        deltas = self.deltas.pop(key, {})
+        if terms is None:
+            out = self.book.failed(fragment, step)
         else:
-            out = outer_step(self.opt, fragment, [r["in"][m][0] for m in valid], *[r["in"][m][1] for m in valid],
-                                average_only=r["avg"])
-            message = downlink_encode(self.downlink, self.opt, fragment, out["before"])
-            self.versions[fragment] += 1
-            r["replies"] = {m: Reply(OK if m in valid else REJECTED, base + 1, [message]) for m in r["in"]}
-        r["done"].set()
+            res = outer_step(self.opt, fragment, [w for _, w in terms], *[deltas[m] for m, _ in terms],
+                             average_only=self.book.rounds[key].average_only)
+            message = downlink_encode(self.downlink, self.opt, fragment, res["before"])
+            out = self.book.stepped(fragment, step, self.book.versions[fragment] + 1, [message], 0, 0.0)
+        self.book.finish(fragment, step, out)
+        self.done[key].set()
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.opt.state_dict(), "versions": list(self.versions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.opt.load_state_dict(state)
-        self.versions = list(state["versions"])
+        self.book.restore(state["versions"], [0] * len(state["versions"]), [])
 
 
 class MemoryTransport:
