@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.components.token_store import load_saved_tokenizer  # noqa: F401 (its home: the store reads it too)
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 
@@ -199,20 +200,6 @@ def build_tokenizer(cfg: DataConfig, texts: list[str]):
             f"data.tokenizer = {cfg.tokenizer!r}: cannot load ({type(e).__name__}); "
             "use 'char', 'bpe', a local tokenizer directory or a reachable hub name"
         ) from None
-
-
-def load_saved_tokenizer(directory: Path):
-    """A tokenizer saved with ``save_pretrained`` (a run's ``tokenizer/``).
-
-    Raises:
-        DataError: when it cannot be loaded.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:
-        raise DataError(f"tokenizer in {directory}: cannot load ({type(e).__name__})") from None
 
 
 def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:

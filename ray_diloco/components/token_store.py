@@ -346,8 +346,6 @@ class TokenStore:
         Raises:
             DataError: missing or changed tokenizer files.
         """
-        from ray_diloco.components.data import load_saved_tokenizer
-
         files = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
         if self.loc.remote:
             local = self.loc.get_dir(TOKENIZER_DIR, files, Path(tempfile.mkdtemp(prefix="ray-diloco-tok-")))
@@ -586,3 +584,17 @@ def write_store(
     w.add(train, val, {}, (0, 0))
     w.finish(tokenizer, meta)
     return TokenStore(out, "--out")
+
+
+def load_saved_tokenizer(directory: Path):
+    """A tokenizer saved with ``save_pretrained`` (a run's ``tokenizer/``).
+
+    Raises:
+        DataError: when it cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:
+        raise DataError(f"tokenizer in {directory}: cannot load ({type(e).__name__})") from None

@@ -9,10 +9,25 @@ section 3: layers, heads, d_model, FFN).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from ray_diloco.config.schema import ModelConfig
+
+class ModelFields(Protocol):
+    """What the presets read of a model config (``config.schema.ModelConfig``, which imports this
+    module: typed by its fields, not by it). The shape fields (:data:`SHAPE_FIELDS`) are read and
+    filled by name."""
+
+    @property
+    def preset(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int | None: ...
+
+    @property
+    def init_std(self) -> float: ...
+
+
+_Model = TypeVar("_Model", bound=ModelFields)
 
 #: The names of :data:`PRESETS`, in its order (the type of ``model.preset``).
 PresetName = Literal[
@@ -75,7 +90,7 @@ LEGACY_PRESETS: dict[str, Row] = {
 SHAPE_FIELDS = ("family", "n_layers", "n_heads", "d_model", "d_ff", "context", "z_loss", "tie_embeddings")
 
 
-def pin_model_fields(cfg: ModelConfig, recorded_before_pinning: bool = False) -> ModelConfig:
+def pin_model_fields(cfg: _Model, recorded_before_pinning: bool = False) -> _Model:
     """Fill each shape field of ``cfg`` left ``None`` (family, layers, heads, width, FFN, context,
     z-loss, tied embeddings) with its preset's value, in place, and return ``cfg``.
 
@@ -91,7 +106,7 @@ def pin_model_fields(cfg: ModelConfig, recorded_before_pinning: bool = False) ->
     return cfg
 
 
-def resolve_model_shape(cfg: ModelConfig, vocab_size: int) -> dict[str, Any]:
+def resolve_model_shape(cfg: ModelFields, vocab_size: int) -> dict[str, Any]:
     """Preset values for every field of ``cfg`` left as ``None``; returns a plain dict.
 
     ``vocab_size`` (from the tokenizer) is used unless ``cfg.vocab_size`` is set.

@@ -6,8 +6,11 @@ trainer's process instead."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +106,6 @@ def write_checkpoint(t: Any) -> Path:
     if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
         state["exchange_units"] = t.cfg.exchange_units
         state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in t.fragments]
-    from ray_diloco.runtime.trainer import signals_deferred  # (the trainer imports this module)
 
     with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
         return finish_checkpoint(t.run_dir, st.outer_step, tmp, state, t.cfg.run.keep_checkpoints)
@@ -135,3 +137,24 @@ def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | Non
             f"checkpoint of outer step {t.state.outer_step}: replica {key[0]} was lost while "
             "its state was fetched; the next checkpoint goes without it"
         ) from None
+
+
+@contextlib.contextmanager
+def signals_deferred(replay: bool = False):
+    """Hold SIGINT/SIGTERM inside the block (main thread only), then restore the handlers. With
+    ``replay`` the first signal that arrived meanwhile is delivered after the block (a checkpoint
+    write finishes, then the run stops); without, it is dropped (clean-up already under way)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    pending: list[int] = []
+    for sig in saved:
+        signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if replay and pending:
+            signal.raise_signal(pending[0])

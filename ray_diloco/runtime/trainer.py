@@ -20,10 +20,7 @@ directory, starts Ray, runs this loop and exports the model.
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +38,7 @@ from ray_diloco.core.fragments import fragment_plan
 from ray_diloco.core.schedules import is_due, outer_step_bounds
 from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import ModelFn
-from ray_diloco.runtime.checkpointing import restore_workers, write_checkpoint
+from ray_diloco.runtime.checkpointing import restore_workers, signals_deferred, write_checkpoint
 from ray_diloco.runtime.cluster import Replica, all_workers, check_resources, start_replicas, stop_replicas
 from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
@@ -379,27 +376,6 @@ class Trainer:
         stop_replicas(self.replicas)
         self.sync.shutdown()
         self.replicas = []
-
-
-@contextlib.contextmanager
-def signals_deferred(replay: bool = False):
-    """Hold SIGINT/SIGTERM inside the block (main thread only), then restore the handlers. With
-    ``replay`` the first signal that arrived meanwhile is delivered after the block (a checkpoint
-    write finishes, then the run stops); without, it is dropped (clean-up already under way)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    pending: list[int] = []
-    for sig in saved:
-        signal.signal(sig, lambda signum, frame: pending.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        if replay and pending:
-            signal.raise_signal(pending[0])
 
 
 __all__ = ["Trainer", "RunState", "signals_deferred"]
