@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import sys, threading, time
+    import atexit, sys, threading, time
     import ray
     from ray.cluster_utils import Cluster
     from ray_diloco.config import load_config
@@ -21,6 +21,9 @@ SCRIPT = textwrap.dedent("""
     from ray_diloco.runtime.cluster import check_resources, launch_replica, placed, stop_replicas, wait_placed
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    # torn down however the script ends: a failed script left its raylets running and
+    # /tmp/ray/ray_current_cluster naming a dead head, which a later plain ray.init() waits on
+    atexit.register(lambda: (ray.shutdown(), cluster.shutdown()))
     ray.init(address=cluster.address)
     base = ["diloco.replicas=2", "diloco.cpus_per_worker=0.5", "diloco.gpus_per_worker=1", "tracking.wandb=false"]
 
@@ -89,8 +92,6 @@ SCRIPT = textwrap.dedent("""
         check_resources(load_config(None, ["diloco.replicas=2", "diloco.driver_resource=nope", "tracking.wandb=false"]))
     except ClusterError as e:
         print("NO-SUCH-RESOURCE", e)
-    ray.shutdown()
-    cluster.shutdown()
 """)
 
 

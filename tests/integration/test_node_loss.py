@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT
 
 SCRIPT = textwrap.dedent("""
-    import glob, json, sys, threading, time
+    import atexit, glob, json, sys, threading, time
     from pathlib import Path
     import ray
     from ray.cluster_utils import Cluster
@@ -30,6 +30,9 @@ SCRIPT = textwrap.dedent("""
 
     tmp = Path(sys.argv[1])
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the job's node: no replica fits
+    # torn down however the script ends: a failed script left its raylets running and
+    # /tmp/ray/ray_current_cluster naming a dead head, which a later plain ray.init() waits on
+    atexit.register(lambda: (ray.shutdown(), cluster.shutdown()))
     for _ in range(3):  # two replicas and a hot spare, one per node
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -137,8 +140,6 @@ SCRIPT = textwrap.dedent("""
     finally:
         t.shutdown()
         print("RESULT", json.dumps(out), flush=True)
-    ray.shutdown()
-    cluster.shutdown()
 """)
 
 
