@@ -7,12 +7,16 @@ exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
 from typing import Any
 
 from ray_diloco.errors import RayDilocoError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         _add_tune_commands,
     ):
         add(sub)
+    for command in sub.choices.values():  # every command: how much it says
+        says = command.add_mutually_exclusive_group()
+        says.add_argument("-v", "--verbose", action="store_true", help="also print debug messages")
+        says.add_argument("-q", "--quiet", action="store_true", help="print only warnings, errors and results")
     return ap
 
 
@@ -477,7 +485,7 @@ def _cmd_predict(a: argparse.Namespace) -> int:
         try:
             fits = json.loads(src.read_text())
         except (ValueError, UnicodeDecodeError) as e:
-            raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({str(e).splitlines()[0][:100]})") from None
+            raise RayDilocoError(f"--fits {a.fits}: not valid JSON ({error_line(e, typed=False, limit=100)})") from None
         origin = str(src)
     elif src.exists():
         fits, origin = fit_all(load_table(a.fits)), f"fits of {a.fits}"
@@ -495,7 +503,7 @@ def _cmd_predict(a: argparse.Namespace) -> int:
             raise
         raise RayDilocoError(
             f"--fits {a.fits}: not fits written by ray-diloco fit (a value of the wrong type or "
-            f"shape: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})"
+            f"shape: {error_line(e, limit=100)})"
         ) from None
     print(text)
     print(f"  (from {origin})")
@@ -663,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     a = _parser().parse_args(argv)
     import signal
+
+    from ray_diloco.log import setup
+
+    setup(1 if a.verbose else -1 if a.quiet else 0)
 
     from ray_diloco.runtime import cluster
 

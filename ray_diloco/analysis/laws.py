@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.errors import DataError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 COLUMNS = ("N", "M", "H", "inner_lr", "outer_lr", "global_batch", "tokens", "eval_loss")
 ALIASES = {
@@ -205,9 +209,7 @@ def load_table(path: str | Path) -> Any:
     try:
         df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad input file
-        raise DataError(
-            f"{p}: cannot be read as a table ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-        ) from None
+        raise DataError(f"{p}: cannot be read as a table ({error_line(e, limit=120)})") from None
     df = df.rename(
         columns={
             c: ALIASES[c.lower()] for c in df.columns if c.lower() in ALIASES and ALIASES[c.lower()] not in df.columns
@@ -609,12 +611,9 @@ def fit_all(df: Any, starts: int = DEFAULT_STARTS) -> dict[str, Any]:
             if diloco[col].notna().all()
         }
         if diloco["N"].nunique() >= 3:
-            import sys
-
-            print(
+            logger.info(
                 f"fitting {len(FORMS)} parametric forms, each on all sizes and with each of the "
-                f"{diloco['N'].nunique()} sizes held out ({starts} starts per fit) ...",
-                file=sys.stderr,
+                f"{diloco['N'].nunique()} sizes held out ({starts} starts per fit) ..."
             )
             out["forms"], out["best_form"] = fit_forms(diloco, starts)
     out["outer_lr"] = optimal_outer_lr(df)

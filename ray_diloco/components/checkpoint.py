@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ray_diloco.errors import CheckpointError
+from ray_diloco.log import error_line
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
@@ -103,7 +104,7 @@ def write_state_file(path: Path, state: dict[str, Any]) -> int:
 
 def _reason(e: BaseException) -> str:
     """The first line of an exception's message (its type when it has none), at most 160 characters."""
-    return (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return error_line(e, typed=False, limit=160)
 
 
 def _write(path: Path, state: dict[str, Any]) -> int:

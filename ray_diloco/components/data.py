@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,9 @@ import numpy as np
 from ray_diloco.components.token_store import load_saved_tokenizer  # noqa: F401 (its home: the store reads it too)
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 BUNDLED_CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
 _BUILDERS = {
@@ -132,9 +135,7 @@ def load_texts(cfg: DataConfig) -> list[str]:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         src = str(path) if path is not None else cfg.dataset
-        raise DataError(
-            f"data: cannot load {src!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
+        raise DataError(f"data: cannot load {src!r}: {error_line(e)}") from None
     for i, t in enumerate(texts):
         if t is not None and not isinstance(t, str):
             raise DataError(
@@ -216,7 +217,7 @@ def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
             enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
         except Exception as e:  # e.g. a char vocabulary built on another corpus
             raise DataError(
-                f"data: the tokenizer cannot encode this corpus ({str(e).splitlines()[0]}); "
+                f"data: the tokenizer cannot encode this corpus ({error_line(e, typed=False)}); "
                 "was the run trained on other text?"
             ) from None
         for ids in enc:
@@ -424,10 +425,9 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
                 raise
         return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
     except (OSError, DataError) as e:
-        print(
+        logger.warning(
             f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
-            f"({(str(e).splitlines() or [type(e).__name__])[0]}); it stays in memory",
-            file=sys.stderr,
+            f"({error_line(e, typed=False)}); it stays in memory"
         )
         return corpus
     finally:

@@ -26,6 +26,7 @@ from ray_diloco.components.checkpoint import (
 from ray_diloco.components.data import eval_split, load_corpus, load_saved_tokenizer, val_batch, val_windows
 from ray_diloco.components.export import model_with_params
 from ray_diloco.errors import CheckpointError, RayDilocoError
+from ray_diloco.log import error_line
 from ray_diloco.models.transformer import lm_loss, logits_of
 
 
@@ -214,9 +215,7 @@ def generate(
         try:
             model = AutoModelForCausalLM.from_pretrained(str(final))
         except Exception as e:
-            raise CheckpointError(
-                f"exported model {final}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            ) from None
+            raise CheckpointError(f"exported model {final}: cannot be loaded ({error_line(e, limit=200)})") from None
     else:
         state = load_checkpoint(latest_checkpoint(run_dir)[1], lazy=True)
         model = model_from_checkpoint(state, len(tok), model_fn, run_dir)

@@ -23,6 +23,7 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import logging
 import posixpath
 import sys
 import time
@@ -36,6 +37,9 @@ import numpy as np
 from ray_diloco.components.address import check_reachable
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 #: Text read to build a ``char`` vocabulary or train a ``bpe`` tokenizer (a bounded sample), bytes.
@@ -179,9 +183,7 @@ def _hub(opts: PrepareOptions, skip_rows: int):
         hf = datasets.load_dataset(opts.dataset, opts.dataset_config, split=opts.split, streaming=True)
         cols = hf.column_names or list(next(iter(hf)).keys())
     except Exception as e:  # noqa: BLE001 - datasets raises many types (FileNotFoundError, ConnectionError, ...)
-        raise DataError(
-            f"--dataset {opts.dataset!r}: cannot load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        raise DataError(f"--dataset {opts.dataset!r}: cannot load ({error_line(e)})") from None
     if opts.text_field not in cols:
         raise DataError(
             f"--text-field {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})"
@@ -457,9 +459,7 @@ def _init_ray(address: str | None) -> bool:
         )
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(
-            f"{field} = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-        ) from None
+        raise ClusterError(f"{field} = {address!r}: {what} ({error_line(e, typed=False)})") from None
     return True
 
 
@@ -519,9 +519,8 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
     writer.vocab_size, writer.dtype = len(tok), dtype_for(len(tok))
     cursor = writer.resume() or {}
     if cursor:
-        print(
-            f"prepare: continuing {opts.out}: {sum(len(v) for v in writer.shards.values())} finished shards kept",
-            file=sys.stderr,
+        logger.info(
+            f"prepare: continuing {opts.out}: {sum(len(v) for v in writer.shards.values())} finished shards kept"
         )
     actors = opts.actors or max(1, int(ray.cluster_resources().get("CPU", 1)))
     ds = make(cursor).map_batches(
@@ -548,11 +547,10 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     manifest = writer.finish(tok, meta)
-    print(
+    logger.info(
         f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
         f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "
         f"{sum(len(v) for v in manifest['shards'].values())} shards",
-        file=sys.stderr,
     )
     return manifest
 

@@ -20,13 +20,16 @@ A plain local path in ``run.storage_path`` is simply where run directories go (n
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
-import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from ray_diloco.errors import CheckpointError, ConfigError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 #: Files and folders mirrored after every checkpoint (besides the checkpoints themselves).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "wandb_id.txt", "tokenizer")
@@ -60,7 +63,7 @@ def filesystem(uri: str) -> tuple[Any, str]:
     except (ImportError, ValueError) as e:
         raise ConfigError(
             [
-                f"run.storage_path = {uri!r}: no filesystem for this URI ({str(e).splitlines()[0]}); "
+                f"run.storage_path = {uri!r}: no filesystem for this URI ({error_line(e, typed=False)}); "
                 "use a local path, s3://, gs://, file:// or a scheme fsspec knows"
             ]
         ) from None
@@ -108,7 +111,7 @@ def upload_file(local: Path, uri: str) -> str | None:
         _put_file(fs, Path(local), path)
         return None
     except Exception as e:  # noqa: BLE001 - any client error: the mirror uploads the file instead
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        return error_line(e, limit=300)
 
 
 def _put(fs: Any, local: Path, remote: str) -> None:
@@ -201,11 +204,7 @@ class Mirror:
                 _put(self.fs, self.run_dir / name, f"{self.path}/{name}")
             return True
         except Exception as e:  # network, permissions, quota: keep training; the local copy is whole
-            print(
-                f"warning: could not mirror the run to {self.uri} ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})",
-                file=sys.stderr,
-            )
+            logger.warning(f"warning: could not mirror the run to {self.uri} ({error_line(e)})")
             return False
 
 
@@ -256,9 +255,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(
-            f"--resume {uri}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        ) from None
+        raise CheckpointError(f"--resume {uri}: cannot read it ({error_line(e)})") from None
     return local
 
 

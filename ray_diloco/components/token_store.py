@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.errors import ConfigError, DataError
+from ray_diloco.log import error_line
 
 FORMAT = "ray-diloco-tokens"
 VERSION = 1
@@ -101,10 +102,7 @@ class Location:
         except OSError as e:
             if self.remote and ("not exist" in str(e) or "NoSuchKey" in str(e) or "NoSuchBucket" in str(e)):
                 return None
-            raise DataError(
-                f"{self.field} = {self.where!r}: cannot read {name} ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''})"
-            ) from None
+            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({error_line(e)})") from None
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
         """Write ``name`` atomically (temporary name then rename; one object put when remote).
@@ -128,7 +126,7 @@ class Location:
                 Path(tmp).unlink(missing_ok=True)
                 raise
         except OSError as e:
-            reason = "disk full" if getattr(e, "errno", None) == 28 else f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            reason = "disk full" if getattr(e, "errno", None) == 28 else f"{error_line(e)}"
             raise DataError(
                 f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
                 "kept and a rerun continues"

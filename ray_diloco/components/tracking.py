@@ -8,6 +8,7 @@ server cannot be reached within ``tracking.init_timeout_s`` the run logs offline
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from ray_diloco.config import Config
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 
 def wandb_mode(mode: str) -> str:
@@ -79,7 +83,7 @@ class Tracker:
         try:
             self.wandb_run = self._init_wandb(mode)
         except Exception as e:  # unreachable server, not logged in: log offline, `wandb sync` uploads later
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            why = f"{error_line(e)}"
             self.wandb_run = None
             if mode == "online":
                 import time
@@ -97,15 +101,15 @@ class Tracker:
                             f"W&B unreachable ({why}); logging offline in {self.run_dir / 'wandb'} "
                             f"as run {run_id} (upload later with `wandb sync`)"
                         )
-                        print(f"warning: {self.wandb_warning}", file=sys.stderr)
+                        logger.warning(f"warning: {self.wandb_warning}")
                         return
                     except Exception as e2:
-                        last = f"{type(e2).__name__}: {str(e2).splitlines()[0] if str(e2) else ''}"
+                        last = f"{error_line(e2)}"
                         if attempt < 2:
                             time.sleep(1.0 + attempt)
                 why = last
             self.wandb_warning = f"W&B disabled for this run ({why})"
-            print(f"warning: {self.wandb_warning}", file=sys.stderr)
+            logger.warning(f"warning: {self.wandb_warning}")
 
     def _init_wandb(self, mode: str, run_id: str | None = None) -> Any:
         t = self.cfg.tracking
@@ -171,7 +175,7 @@ class Tracker:
                     )
                 self.wandb_run.log(flat, step=int(row.get("inner_step", 0)))
             except Exception as e:
-                print(f"warning: W&B logging stopped ({type(e).__name__})", file=sys.stderr)
+                logger.warning(f"warning: W&B logging stopped ({type(e).__name__})")
                 self.wandb_run = None
 
     def progress(self, steps: int, **postfix: Any) -> None:
@@ -179,13 +183,6 @@ class Tracker:
         if self.bar is not None:
             self.bar.update(steps)
             self.bar.set_postfix({k: v for k, v in postfix.items() if v is not None}, refresh=True)
-
-    def write(self, msg: str) -> None:
-        """Print a line without breaking the progress bar."""
-        if self.bar is not None:
-            self.bar.write(msg, file=sys.stderr)
-        else:
-            print(msg, file=sys.stderr)
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Close the bar and metrics file; put ``summary`` into the W&B run summary and finish it."""
@@ -212,7 +209,7 @@ class Tracker:
                 self.wandb_run.finish()
                 _wait_for_wandb_files()
             except Exception as e:
-                print(f"warning: W&B finish failed ({type(e).__name__})", file=sys.stderr)
+                logger.warning(f"warning: W&B finish failed ({type(e).__name__})")
 
 
 def _wait_for_wandb_files() -> None:

@@ -18,6 +18,7 @@ import yaml
 from ray_diloco.config.schema import Config
 from ray_diloco.config.validation import validate_config
 from ray_diloco.errors import ConfigError
+from ray_diloco.log import error_line
 
 #: The presets ``--config NAME`` finds: ``ray_diloco/configs/NAME.yaml``.
 PRESET_DIR = Path(__file__).parents[1] / "configs"
@@ -139,7 +140,7 @@ def _read_yaml(config: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise ConfigError([f"--config {path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
+        raise ConfigError([f"--config {path}: not valid YAML ({error_line(e, typed=False)})"]) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"--config {path}: cannot read it as UTF-8 text ({type(e).__name__})"]) from None
     if not isinstance(data, dict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import shutil
 import signal
 import threading
@@ -26,6 +27,8 @@ from ray_diloco.components.checkpoint import (
 from ray_diloco.components.storage import join_uri
 from ray_diloco.errors import CheckpointError
 
+logger = logging.getLogger(__name__)
+
 
 def restore_workers(t: Any, rs: dict[str, Any]) -> None:
     """The :class:`~ray_diloco.runtime.trainer.Trainer` ``t``'s workers from the checkpoint ``rs``: inner-optimiser state and local parameters (DDP: rank 0's, for every rank of its replica;
@@ -43,7 +46,7 @@ def restore_workers(t: Any, rs: dict[str, Any]) -> None:
             calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
     for key, w, own, full, ref in calls:
         if not ray.get(ref):  # this worker's node does not see the run directory: through the job
-            t.log(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
+            logger.warning(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
             own, full = (read_state_file(Path(x["file"])) if x is not None and "file" in x else x for x in (own, full))
             ray.get(w.restore_state.remote(own, full, cid))
 
@@ -86,7 +89,7 @@ def write_checkpoint(t: Any) -> Path:
         t.mirror.uploaded_by_writers(name, {i["file"] for i in infos if i.get("uploaded")})
         problems = [i["upload_error"] for i in infos if "upload_error" in i]
         if problems:
-            t.log(
+            logger.warning(
                 f"note: {len(problems)} checkpoint writer(s) could not upload to {t.mirror.uri} "
                 f"({problems[0]}): this process uploads their files"
             )
@@ -123,7 +126,7 @@ def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | Non
     if "file" in info and visible_file({"file": str(tmp / info["file"]), "bytes": info["bytes"]}):
         return {"file": info["file"], "bytes": info["bytes"]}
     who = "the outer-optimiser driver" if key is None else f"worker {key}"
-    t.log(
+    logger.warning(
         f"note: {who} on node {info['node']} does not see {t.run_dir}: its checkpoint state goes "
         "through this process (put run.output_dir on a file system every node shares)"
     )

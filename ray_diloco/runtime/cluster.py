@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 from ray_diloco.components.address import check_reachable
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError
+from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch: the CLI imports this module for every command, fit and simulate included
     from ray_diloco.models.transformer import ModelFn
@@ -90,9 +92,7 @@ def init_ray(cfg: Config) -> bool:
         raise KeyboardInterrupt from None
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
         what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(
-            f"run.address = {address!r}: {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-        ) from None
+        raise ClusterError(f"run.address = {address!r}: {what} ({error_line(e, typed=False)})") from None
     if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
     return True
@@ -152,9 +152,8 @@ def check_resources(cfg: Config) -> float:
                         "for the autoscaler: diloco.wait_for_nodes)"
                     ) from None
                 if not told:
-                    print(
-                        f"note: waiting up to {d.placement_timeout_s:g} s for the autoscaler to add nodes ({e})",
-                        file=sys.stderr,
+                    logger.warning(
+                        f"note: waiting up to {d.placement_timeout_s:g} s for the autoscaler to add nodes ({e})"
                     )
                     told = True
                 time.sleep(2.0)

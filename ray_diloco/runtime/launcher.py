@@ -10,9 +10,9 @@ worker; the user's config object is never changed), starts or joins Ray, runs th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
-import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,14 @@ from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
 from ray_diloco.core.wire import communication_summary
 from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
+from ray_diloco.log import RESULT, error_line
 from ray_diloco.models.transformer import ModelFn, pin_model_fields
 from ray_diloco.runtime.cluster import check_resources, error_cause, init_ray
 from ray_diloco.runtime.resolved import ResolvedRun
 from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.runtime.trainer import Trainer, signals_deferred
+
+logger = logging.getLogger(__name__)
 
 
 def _run_dir_for(cfg: Config) -> Path:
@@ -69,10 +72,7 @@ def _run_dir_for(cfg: Config) -> Path:
             exists = fs.get_file_info(f"{path}/config.yaml").type.name == "File"
         except Exception as e:
             raise ConfigError(
-                [
-                    f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                ]
+                [f"run.storage_path = {cfg.run.storage_path!r}: cannot reach it ({error_line(e)})"]
             ) from None
         if exists:
             raise ConfigError(
@@ -195,10 +195,7 @@ def prepare(
                     ]
                 )
         else:  # it stopped before its first checkpoint (a failed start-up): run it again from step 0
-            print(
-                f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml",
-                file=sys.stderr,
-            )
+            logger.warning(f"note: {run_dir} has no checkpoint yet; starting it again from step 0 with its config.yaml")
             state = None
     else:
         cfg = load_config(config, overrides)
@@ -220,13 +217,13 @@ def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
     if not isinstance(summary, dict) or summary.get("inner_steps") != steps:
         return None
     loss = summary.get("final_eval_loss")
-    print(
+    logger.warning(
         f"{run_dir} has finished its {steps} inner steps: nothing to train (--set run.steps=N with N > {steps} "
-        "trains it further)",
-        file=sys.stderr,
+        "trains it further)"
     )
-    print("final validation loss of the global model: " + (f"{loss:.4f}" if isinstance(loss, float) else str(loss)))
-    print(f"run directory: {run_dir}")
+    shown = f"{loss:.4f}" if isinstance(loss, float) else str(loss)
+    logger.info(f"final validation loss of the global model: {shown}", extra=RESULT)
+    logger.info(f"run directory: {run_dir}", extra=RESULT)
     return summary
 
 
@@ -272,12 +269,11 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
             write_text(str(run_dir / "config.yaml"), run.to_yaml())  # atomic
             _truncate_metrics(run_dir, rs["outer_step"] if rs is not None else 0)
         if rs is not None:
-            print(
+            logger.info(
                 f"resumed from the checkpoint of outer step {rs['outer_step']} "
-                f"(inner step {trainer.state.inner_step} of {run.run.steps})",
-                file=sys.stderr,
+                f"(inner step {trainer.state.inner_step} of {run.run.steps})"
             )
-        print(f"run directory: {run_dir}", file=sys.stderr)
+        logger.info(f"run directory: {run_dir}")
         tracker = Tracker(run, run_dir, run.run.steps, trainer.state.inner_step)
         timing = trainer.run(tracker)
         summary = _summary(trainer, timing, rs)
@@ -285,10 +281,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
         tracker = None
         write_summary(run_dir, summary)
         if trainer.mirror is not None and not trainer.mirror.sync(final=True):
-            print(
+            logger.warning(
                 f"warning: the copy of the run at {trainer.mirror.uri} is incomplete (the uploads above "
-                f"failed); the run directory {run_dir} is complete",
-                file=sys.stderr,
+                f"failed); the run directory {run_dir} is complete"
             )
     except ray.exceptions.RayError as e:
         cause = getattr(e, "cause", None)
@@ -306,8 +301,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
                 ray.shutdown()
             if lock is not None:
                 lock.close()
-    print(f"final validation loss of the global model: {summary['final_eval_loss']:.4f}")
-    print(f"run directory: {run_dir}")
+    logger.info(f"final validation loss of the global model: {summary['final_eval_loss']:.4f}", extra=RESULT)
+    logger.info(f"run directory: {run_dir}", extra=RESULT)
     return summary
 
 
@@ -341,10 +336,9 @@ def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str
     from ray_diloco.models.transformer import budget_steps
 
     steps = budget_steps(cfg, corpus.vocab_size, model_fn)
-    print(
+    logger.info(
         f"run.steps = {steps}: run.tokens_per_parameter = {cfg.run.tokens_per_parameter:g} x the model's "
-        f"parameters / (inner.global_batch x data.seq_len)",
-        file=sys.stderr,
+        f"parameters / (inner.global_batch x data.seq_len)"
     )
     return ResolvedRun.resolve(cfg, steps)
 
@@ -389,10 +383,7 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
             corpus.tokenizer.save_pretrained(str(tok_dir))
         if is_uri(run.run.storage_path):
             trainer.mirror = Mirror(run_dir, run.run.storage_path, run.run.keep_checkpoints)
-            print(
-                f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})",
-                file=sys.stderr,
-            )
+            logger.info(f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})")
     except BaseException:  # the caller only closes a lock it was given
         lock.close()
         raise

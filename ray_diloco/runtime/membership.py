@@ -23,8 +23,8 @@ round_failed) are collected each outer step for the log, ``metrics.jsonl`` and W
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,8 @@ from ray_diloco.runtime.cluster import (
     outer_side_failed,
     stop_replicas,
 )
+
+logger = logging.getLogger(__name__)
 
 #: The file in a run directory that ``ray-diloco scale`` writes and a running trainer reads
 #: at every outer-step boundary: ``{"replicas": N}``.
@@ -73,10 +75,9 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
             ]
         )
     if (run_dir / "summary.json").is_file():
-        print(
+        logger.warning(
             f"note: {run_dir} has finished (summary.json); the request applies if the run is extended with "
-            "--resume --set run.steps=...",
-            file=sys.stderr,
+            "--resume --set run.steps=..."
         )
     path = run_dir / SCALE_FILE
     tmp = path.with_suffix(".tmp")

@@ -19,6 +19,7 @@ slow link.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +27,8 @@ import numpy as np
 
 from ray_diloco.config import Config, check_overlap
 from ray_diloco.core.schedules import SyncSchedule
+
+logger = logging.getLogger(__name__)
 
 #: ``(replica id, slot, join step, workers, placement strategy)`` of one placement group.
 Layout = list[tuple[int, int, int, int, str]]
@@ -214,7 +217,7 @@ class DiLoCoSync(SyncStrategy):
             else:  # not visible from the driver's node: read here, sent
                 from ray_diloco.components.checkpoint import read_state_file
 
-                trainer.log(f"note: the outer-optimiser driver does not see {outer['file']}: it is read here")
+                logger.warning(f"note: the outer-optimiser driver does not see {outer['file']}: it is read here")
                 outer = read_state_file(Path(outer["file"]))
         if outer is not None or rs is None:
             initial = (
@@ -305,7 +308,7 @@ class DiLoCoSync(SyncStrategy):
             (out_dir / MARKER).unlink(missing_ok=True)
         seen = files is not None and all(visible_file({"file": str(out_dir / f), "bytes": n}) for f, n in files.items())
         if not seen:
-            trainer.log(
+            logger.warning(
                 f"note: the outer-optimiser driver's node does not see {out_dir}: "
                 "the exported weights are written by this process"
             )

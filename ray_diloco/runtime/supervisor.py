@@ -12,8 +12,8 @@ a scale-up, and waits when none is left (the rules themselves are in ``runtime/m
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ from ray_diloco.errors import ClusterError
 from ray_diloco.runtime.cluster import Replica, all_workers, error_cause, outer_side_failed
 from ray_diloco.runtime.membership import Membership, read_scale
 from ray_diloco.runtime.strategy import SyncStrategy
+
+logger = logging.getLogger(__name__)
 
 
 def describe_event(ev: dict[str, Any]) -> str:
@@ -38,11 +40,11 @@ class Supervisor:
         cfg: the run config. run_dir: where ``scale`` requests are read from.
         sync: the run's sync strategy (its driver is pinged while waiting; it says whether
             failures are survived). members: the replicas' membership (``members.live`` is the
-            list of live replicas, shared with the trainer). log: where messages go.
+            list of live replicas, shared with the trainer).
     """
 
-    def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership, log: Callable[[str], None]):
-        self.cfg, self.run_dir, self.sync, self.members, self.log = cfg, run_dir, sync, members, log
+    def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership):
+        self.cfg, self.run_dir, self.sync, self.members = cfg, run_dir, sync, members
         self.slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
 
     @property
@@ -145,7 +147,7 @@ class Supervisor:
     # -- failures and membership -------------------------------------------------------------
     def lose(self, r: Replica, reason: str) -> None:
         """A replica failed: check the driver is alive, then remove the replica."""
-        self.log(f"replica {r.index} failed: {reason}")
+        logger.warning(f"replica {r.index} failed: {reason}")
         self.members.lose(r, reason)
 
     def at_boundary(self, step: int) -> None:
@@ -181,9 +183,9 @@ class Supervisor:
         for ev in events:
             state.membership[ev["event"]] = state.membership.get(ev["event"], 0) + 1
             if ev["event"] not in ("launch", "round_failed"):
-                self.log(f"membership: {describe_event(ev)}")
+                logger.info(f"membership: {describe_event(ev)}")
         if failed:  # one line per outer step: with a small H these come every step
-            self.log(
+            logger.warning(
                 f"membership: {len(failed)} sync round(s) failed in outer step {row['outer_step']} (the last: "
                 f"{describe_event(failed[-1])})"
             )

@@ -20,7 +20,7 @@ directory, starts Ray, runs this loop and exports the model.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,8 @@ from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
 from ray_diloco.runtime.strategy import SyncStrategy, make_strategy
 from ray_diloco.runtime.supervisor import Supervisor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,7 +113,6 @@ class Trainer:
         self.supervisor: Supervisor | None = None
         self.mirror: Mirror | None = None  # run.storage_path is a URI: copy of the run directory there
         self.on_outer_step: Any = None  # called with each outer step's metrics row (Ray Tune reports)
-        self.log = lambda msg: print(msg, file=sys.stderr)  # run() routes it through the progress bar
 
     @property
     def driver(self) -> Any:
@@ -139,10 +140,9 @@ class Trainer:
         self.cfg.diloco.cpus_per_worker = self.resolved.cpus_per_worker
         assert self.cfg.diloco.cpus_per_worker is not None  # just resolved
         if self.cfg.diloco.cpus_per_worker < 1:
-            print(
+            logger.info(
                 f"note: {self.cfg.num_shards} workers share the cluster's CPUs "
-                f"({self.cfg.diloco.cpus_per_worker:g} CPU each)",
-                file=sys.stderr,
+                f"({self.cfg.diloco.cpus_per_worker:g} CPU each)"
             )
         refs = (ray.put(self.corpus.train), ray.put(self.corpus.val))
         rs = self.resume_state
@@ -160,7 +160,7 @@ class Trainer:
         self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
         self.members.load_state_dict(saved)
         self.replicas = self.members.live  # the same list: it changes as replicas die and join
-        self.supervisor = Supervisor(self.cfg, self.run_dir, self.sync, self.members, lambda msg: self.log(msg))
+        self.supervisor = Supervisor(self.cfg, self.run_dir, self.sync, self.members)
         self._plan_fragments()
         if rs is not None:
             check_sizes(self.fragments, rs["sizes"] if "sizes" in rs else global_params(rs))
@@ -190,20 +190,18 @@ class Trainer:
             raise ConfigError(problems)
         self.num_params = sum(s.numel for s in specs)
         tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
-        print(
+        logger.info(
             f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
-            f"{len(specs)} tensors, {self.num_fragments} fragment(s)",
-            file=sys.stderr,
+            f"{len(specs)} tensors, {self.num_fragments} fragment(s)"
         )
         assert self.members is not None  # set by start
         shape, *more = self.sync.header(self.members.target)
-        print(
+        logger.info(
             f"{c.algorithm}: {shape}, global batch {c.inner.global_batch} x {c.data.seq_len} tokens, "
-            f"{tokens / 1e6:.2f}M tokens",
-            file=sys.stderr,
+            f"{tokens / 1e6:.2f}M tokens"
         )
         for line in more:
-            print(line, file=sys.stderr)
+            logger.info(line)
 
     def _restore_workers(self, rs: dict[str, Any]) -> None:
         """Each worker's state from the checkpoint ``rs`` (:func:`~ray_diloco.runtime.checkpointing.restore_workers`)."""
@@ -231,7 +229,7 @@ class Trainer:
             if metrics:
                 self.supervisor.slowest_round = max(self.supervisor.slowest_round or 0.0, wall)
                 break
-            self.log(f"outer step {k}: every replica failed; running it again once replacements join")
+            logger.warning(f"outer step {k}: every replica failed; running it again once replacements join")
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         link, n_tokens = self.sync.round_traffic(metrics, start, end)
         sent, received = self.state.add_round(k, end, n_tokens, link)
@@ -324,7 +322,6 @@ class Trainer:
         """The outer-step loop from the current state to ``run.steps``; evals and checkpoints
         when due. Returns wall, inner-compute and outer-wait seconds."""
         cfg = self.cfg
-        self.log = tracker.write
         last = cfg.num_outer_steps
         t_start = time.perf_counter()
         compute_total = wait_total = 0.0

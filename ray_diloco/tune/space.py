@@ -16,6 +16,7 @@ import yaml
 from ray_diloco.components.storage import join_uri, read_text
 from ray_diloco.config import Config, load_config, resolve_config_path
 from ray_diloco.errors import ConfigError
+from ray_diloco.log import error_line
 from ray_diloco.runtime.strategy import strategy_class
 
 SPACE_KEYS = (
@@ -256,7 +257,7 @@ def load_space(path: str | Path, overrides: list[str] | None = None, name: str |
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([f"--space {path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
+        raise ConfigError([f"--space {path}: not valid YAML ({error_line(e, typed=False)})"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"--space {path}: expected a mapping with params (and optionally {', '.join(SPACE_KEYS)})"])
     problems: list[str] = []
@@ -409,7 +410,7 @@ def load_spec(sweep_dir: str) -> SweepSpec:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError([f"{where}: {SPEC_FILE} is not valid YAML ({str(e).splitlines()[0]})"]) from None
+        raise ConfigError([f"{where}: {SPEC_FILE} is not valid YAML ({error_line(e, typed=False)})"]) from None
     fields = SweepSpec.__dataclass_fields__
     if not isinstance(data, dict) or "params" not in data or set(data) - set(fields):
         raise ConfigError([f"{where}: {SPEC_FILE} is not a saved sweep (expected the keys {', '.join(fields)})"])

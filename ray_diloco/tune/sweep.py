@@ -40,10 +40,10 @@ status, error) and ``best_config.yaml`` (a config ``ray-diloco train --config`` 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -53,9 +53,12 @@ import yaml
 from ray_diloco.components.storage import is_uri, join_uri, read_text, write_bytes, write_text
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
+from ray_diloco.log import RESULT, installed
 from ray_diloco.runtime.strategy import strategy_class
 from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
 from ray_diloco.tune.trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["tune", "load_space", "load_spec", "SweepSpec", "DilocoTrial", "results_rows", "write_results"]
 
@@ -95,7 +98,8 @@ def _trainable(spec: SweepSpec) -> Any:
             bundles = [{"CPU": float(spec.resources.get("trial_cpus", 0.5))}]
         return tune.PlacementGroupFactory(bundles, strategy="PACK")
 
-    return tune.with_resources(tune.with_parameters(DilocoTrial, spec=spec.to_dict()), resources)
+    trial = tune.with_parameters(DilocoTrial, spec=spec.to_dict(), verbosity=installed())
+    return tune.with_resources(trial, resources)
 
 
 def _concurrency(spec: SweepSpec) -> int:
@@ -238,10 +242,9 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
         )
     restore = resume and rt.Tuner.can_restore(spec.sweep_dir)
     if resume and not restore:
-        print(
+        logger.warning(
             f"note: {spec.sweep_dir} holds no saved Tune state (the sweep stopped before its first trial "
-            "started): starting it from the beginning",
-            file=sys.stderr,
+            "started): starting it from the beginning"
         )
     started = init_ray(cfg0)
     # outer steps without an evaluation report eval_loss NaN; Tune's TensorBoard logger warns on each
@@ -253,12 +256,11 @@ def _run(spec: SweepSpec, resume: bool, cfg0: Any) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))  # Tune saves its state
     try:
         tune_cfg = _tune_config(spec)
-        print(
+        logger.info(
             f"sweep {spec.name}: {_num_trials(spec)} trial(s), up to {tune_cfg.max_concurrent_trials} at once, "
-            f"scheduler {spec.scheduler}, search {spec.search}, minimising {spec.metric}",
-            file=sys.stderr,
+            f"scheduler {spec.scheduler}, search {spec.search}, minimising {spec.metric}"
         )
-        print(f"sweep directory: {spec.sweep_dir}", file=sys.stderr)
+        logger.info(f"sweep directory: {spec.sweep_dir}")
         run_cfg = rt.RunConfig(
             name=spec.name,
             storage_path=spec.storage_path,
@@ -468,21 +470,24 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
     df.to_parquet(parquet, index=False)
     write_bytes(join_uri(spec.sweep_dir, "results.parquet"), parquet.getvalue())
     counts = df["status"].value_counts().to_dict() if len(df) else {}
-    print(f"{len(rows)} trial(s): " + ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items())))
+    logger.info(
+        f"{len(rows)} trial(s): " + ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items())), extra=RESULT
+    )
     for r in rows:
         if r["error"]:
             shown = " ".join(f"{k}={r[k]}" for k in spec.params)
-            print(f"trial {r['trial']} ({shown}) failed: {r['error']}")
+            logger.info(f"trial {r['trial']} ({shown}) failed: {r['error']}", extra=RESULT)
     warned = [r for r in rows if r.get("wandb_warning")]
     if warned:  # the trials print it too, but a trial's last log lines can miss a driver that exits
-        print(
+        logger.warning(
             f"warning: trial {warned[0]['trial']}: {warned[0]['wandb_warning']}"
-            + (f"; {len(warned) - 1} more trial(s) likewise (results column wandb_warning)" if len(warned) > 1 else "")
+            + (f"; {len(warned) - 1} more trial(s) likewise (results column wandb_warning)" if len(warned) > 1 else ""),
+            extra=RESULT,
         )
-    print(f"results: {spec.sweep_dir}/results.csv")
+    logger.info(f"results: {spec.sweep_dir}/results.csv", extra=RESULT)
     if best is None:
         if _finished(rows):  # not when interrupted
-            print("no trial reached a finite eval loss")
+            logger.info("no trial reached a finite eval loss", extra=RESULT)
         return None
     swept = {k: best[k] for k in spec.params}
     cfg = spec.trial_config(swept, validate=False)
@@ -492,9 +497,10 @@ def write_results(spec: SweepSpec, rows: list[dict[str, Any]]) -> dict[str, Any]
     local = spec.local_dir / "best_config.yaml"  # --config reads local files: a remote sweep keeps a copy here
     if is_uri(spec.sweep_dir):
         write_text(str(local), cfg.to_yaml())
-    print(
+    logger.info(
         f"best trial {best['trial']}: {key} {best[key]:.4f} at outer step {best['outer_steps']} with "
-        + " ".join(f"{k}={v}" for k, v in swept.items())
+        + " ".join(f"{k}={v}" for k, v in swept.items()),
+        extra=RESULT,
     )
-    print(f"best config: {stored} (ray-diloco train --config {local})")
+    logger.info(f"best config: {stored} (ray-diloco train --config {local})", extra=RESULT)
     return best

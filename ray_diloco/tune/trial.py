@@ -4,6 +4,7 @@ outer step by outer step, stopped at an outer-step boundary, resumed from its ow
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from ray_diloco.components.storage import join_uri
 from ray_diloco.config import Config
 from ray_diloco.errors import ConfigError, RayDilocoError
 from ray_diloco.tune.space import SweepSpec
+
+logger = logging.getLogger(__name__)
 
 
 class TrialError(RuntimeError):
@@ -85,13 +88,17 @@ class DilocoTrial(Trainable):
 
     # tune.with_parameters passes spec as a second argument (Ray's documented pattern; its Trainable.setup
     # is typed with config alone)
-    def setup(self, config: dict[str, Any], spec: dict[str, Any]) -> None:  # type: ignore[override]  # noqa: D401 - Tune hook
+    def setup(self, config: dict[str, Any], spec: dict[str, Any], verbosity: int | None = None) -> None:  # type: ignore[override]  # noqa: D401 - Tune hook
         import queue
         import threading
 
         import ray
 
+        from ray_diloco.log import setup
         from ray_diloco.runtime import cluster
+
+        if verbosity is not None:  # the command line's handler, as in the sweep's own process
+            setup(verbosity)
 
         self._spec = SweepSpec(**spec)
         self._rows: queue.Queue = queue.Queue()

@@ -132,7 +132,7 @@ def test_a_damaged_entry_is_rebuilt(src, tmp_path):
     assert entries(tmp_path / "cache") == [entry]
 
 
-def test_an_unwritable_cache_leaves_the_corpus_in_memory_with_one_note(src, tmp_path, capsys):
+def test_an_unwritable_cache_leaves_the_corpus_in_memory_with_one_note(src, tmp_path, caplog):
     """A cache directory nobody may write: a read-only mount (root, as on CI, writes through
     permission bits) or, for another user, a directory without write permission."""
     cache = tmp_path / "ro"
@@ -149,15 +149,16 @@ def test_an_unwritable_cache_leaves_the_corpus_in_memory_with_one_note(src, tmp_
     finally:
         subprocess.run(undo, check=True)
     assert isinstance(c.train, np.ndarray) and c.fingerprint == D._tokenized(cfg_for(src, cache), None).fingerprint
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("note: data.cache_dir") and "stays in memory" in err[0]
+    notes = [r.getMessage() for r in caplog.records if r.name.startswith("ray_diloco")]  # a warning: printed by default
+    assert len(notes) == 1 and notes[0].startswith("note: data.cache_dir") and "stays in memory" in notes[0]
+    assert caplog.records[-1].levelname == "WARNING"
 
 
-def test_a_file_as_cache_dir_leaves_the_corpus_in_memory(src, tmp_path, capsys):
+def test_a_file_as_cache_dir_leaves_the_corpus_in_memory(src, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     c = load_corpus(cfg_for(src, blocker))
-    assert isinstance(c.train, np.ndarray) and "cannot cache" in capsys.readouterr().err
+    assert isinstance(c.train, np.ndarray) and "cannot cache" in caplog.text
 
 
 def test_an_entry_finished_by_another_run_first_is_used(src, tmp_path, monkeypatch):

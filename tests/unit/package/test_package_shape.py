@@ -13,18 +13,19 @@ from helpers import ROOT
 
 PKG = ROOT / "ray_diloco"
 #: Each layer may import from itself and the layers below it: errors < config (typed, no torch, no Ray)
-#: < core (pure algorithm) < models < components < runtime (Ray) < tune, analysis < cli.
-LAYERS = ["cli", "tune", "analysis", "runtime", "components", "models", "core", "config", "errors"]
+#: < core (pure algorithm) < models < components < runtime (Ray) < tune, analysis < cli; log (logging) under all.
+LAYERS = ["cli", "tune", "analysis", "runtime", "components", "models", "core", "config", "errors", "log"]
 BELOW = {
     "cli": set(LAYERS),
-    "tune": {"tune", "runtime", "components", "models", "config", "core", "errors"},
-    "analysis": {"analysis", "runtime", "components", "models", "config", "core", "errors"},
-    "runtime": {"runtime", "components", "models", "config", "core", "errors"},
-    "components": {"components", "models", "config", "core", "errors"},
-    "models": {"models", "config", "core", "errors"},
-    "core": {"core", "config", "errors"},
-    "config": {"config", "errors"},
+    "tune": {"tune", "runtime", "components", "models", "config", "core", "errors", "log"},
+    "analysis": {"analysis", "runtime", "components", "models", "config", "core", "errors", "log"},
+    "runtime": {"runtime", "components", "models", "config", "core", "errors", "log"},
+    "components": {"components", "models", "config", "core", "errors", "log"},
+    "models": {"models", "config", "core", "errors", "log"},
+    "core": {"core", "config", "errors", "log"},
+    "config": {"config", "errors", "log"},
     "errors": {"errors"},
+    "log": {"log"},  # logging: any layer may log
 }
 
 
