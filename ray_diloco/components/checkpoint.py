@@ -19,6 +19,7 @@ Files (``torch.save``, numpy arrays stored as tensors, loaded with ``weights_onl
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -29,8 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_diloco.components.storage import atomic_write, replace_dir
 from ray_diloco.errors import CheckpointError
 from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
@@ -108,16 +112,7 @@ def _reason(e: BaseException) -> str:
 
 
 def _write(path: Path, state: dict[str, Any]) -> int:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(_tensors_only(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda f: torch.save(_tensors_only(state), f), durable=True)
     return path.stat().st_size
 
 
@@ -230,13 +225,7 @@ def finish_checkpoint(run_dir: Path, outer_step: int, tmp: Path, state: dict[str
         raise CheckpointError(
             f"checkpoint {final}: cannot be written ({_reason(e)}; {free_mb:,.0f} MiB free on that disk)"
         ) from None
-    if final.exists():  # re-saving the same step (after a resume): replace it whole
-        old = root / f".old-step_{outer_step:06d}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
+    replace_dir(tmp, final, root / f".old-step_{outer_step:06d}-{os.getpid()}")  # a re-saved step: whole
     _fsync_dir(root)
     for _, p in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(p, ignore_errors=True)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import shutil
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -11,11 +10,14 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
+from ray_diloco.components.storage import remove_path, replace_dir
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
 from ray_diloco.core.wire import as_tensor
 from ray_diloco.errors import CheckpointError
 from ray_diloco.models.transformer import ModelFn, resolve_model_shape
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -207,7 +209,7 @@ def export_model(
 
     hf_logging.disable_progress_bar()
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    _remove(tmp)
+    remove_path(tmp)
     tmp.mkdir(parents=True)
     # the tokenizer's model_max_length: the preset's context, or the sequence length a model_fn model trained on
     context = cfg.data.seq_len if model_fn is not None else resolve_model_shape(cfg.model, vocab_size)["context"]
@@ -233,18 +235,5 @@ def export_model(
                 _save_tokenizer(tokenizer, tmp, context)
         else:
             torch.save(model.state_dict(), tmp / "model.pt")
-    old = out_dir.with_name(out_dir.name + ".old")  # swap: a kill leaves the old export or the new one
-    _remove(old)
-    if out_dir.exists() or out_dir.is_symlink():
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    _remove(old)
+    replace_dir(tmp, out_dir, out_dir.with_name(out_dir.name + ".old"))  # a kill leaves the old export or the new one
     return out_dir
-
-
-def _remove(path: Path) -> None:
-    """Delete a directory tree, a file or a link (not what a link points to); nothing if absent."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()

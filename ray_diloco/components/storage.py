@@ -1,40 +1,23 @@
-"""Run directories on cloud or shared storage (``run.storage_path``), the way Ray Train does it.
-
-A run always writes to a local directory first (``run.output_dir/NAME``: checkpoints are
-written there atomically). When ``run.storage_path`` is a URI (``s3://bucket/runs``,
-``gs://bucket/runs``, ``file:///mnt/shared/runs`` or any other scheme pyarrow or fsspec knows),
-the run directory is mirrored to ``storage_path/NAME``:
-
-- after every checkpoint: ``config.yaml``, ``metrics.jsonl``, the tokenizer, the W&B run id and
-  each new checkpoint (the workers' and the driver's files first, ``state.pt`` last: a checkpoint
-  without ``state.pt`` there is never resumed from, and one uploaded again loses its ``state.pt``
-  first); checkpoints pruned locally are deleted there too;
-- at the end: ``summary.json`` and the exported model (``final/``).
-
-``ray-diloco train --resume s3://bucket/runs/NAME`` downloads what a resume needs (config,
-tokenizer, metrics, newest checkpoint) into ``run.output_dir/NAME`` and continues; a trial of a
-sweep whose storage is remote does the same when Tune restarts it on another node.
-
-A plain local path in ``run.storage_path`` is simply where run directories go (no mirror).
-"""
+"""The storage layer: local paths and URIs (``s3://``, ``gs://``, ``file://`` or any scheme pyarrow
+or fsspec knows) read and written the same way, and the project's one way to write a file or a
+directory whole (:func:`atomic_write`, :func:`replace_dir`). The run mirror built on it is
+``components.mirror``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import posixpath
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
-from ray_diloco.errors import CheckpointError, ConfigError
+from ray_diloco.errors import ConfigError
 from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
-
-#: Files and folders mirrored after every checkpoint (besides the checkpoints themselves).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "wandb_id.txt", "tokenizer")
-#: Mirrored once the run has finished.
-FINAL_FILES = ("summary.json", "final")
 
 
 def is_uri(path: str | None) -> TypeGuard[str]:
@@ -84,7 +67,7 @@ def split_uri(uri: str) -> tuple[str, str]:
     return parent + sep + query, name
 
 
-def _put_file(fs: Any, local: Path, remote: str) -> None:
+def put_file(fs: Any, local: Path, remote: str) -> None:
     """Copy ``local`` to ``remote``, whole or not at all: on a file system that shows a file while
     it is written (``file://``) under a temporary name, then renamed (a killed upload leaves no
     half ``state.pt`` that a resume would take); object stores (S3, GCS) show an object only
@@ -108,164 +91,10 @@ def upload_file(local: Path, uri: str) -> str | None:
     job's :class:`Mirror`."""
     try:
         fs, path = filesystem(uri)
-        _put_file(fs, Path(local), path)
+        put_file(fs, Path(local), path)
         return None
     except Exception as e:  # noqa: BLE001 - any client error: the mirror uploads the file instead
         return error_line(e, limit=300)
-
-
-def _put(fs: Any, local: Path, remote: str) -> None:
-    if local.is_dir():
-        for p in sorted(local.rglob("*")):
-            if p.is_file():
-                _put_file(fs, p, remote + "/" + p.relative_to(local).as_posix())
-    elif local.is_file():
-        _put_file(fs, local, remote)
-
-
-def _listing(fs: Any, path: str, recursive: bool = False) -> list[Any]:
-    import pyarrow.fs as pafs
-
-    try:
-        return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=recursive))
-    except (OSError, FileNotFoundError):
-        return []
-
-
-class Mirror:
-    """Copies a local run directory to ``storage_path/NAME`` (see the module docstring).
-
-    Upload errors are reported once per call on stderr and never stop training: the local run
-    directory stays complete, and the next call uploads what is missing.
-    """
-
-    def __init__(self, run_dir: Path, storage_path: str, keep: int | None = None):
-        self.run_dir = Path(run_dir)
-        self.keep = keep  # run.keep_checkpoints: the storage keeps the newest this many (None: those kept locally)
-        self.uri = join_uri(storage_path, self.run_dir.name)
-        self.fs, self.path = filesystem(self.uri)
-        self._uploaded: set[str] = set()
-        self._by_writers: dict[str, set[str]] = {}  # checkpoint name -> files its writers uploaded
-
-    def checkpoint_uri(self, name: str) -> str | None:
-        """The storage URI of checkpoint ``name`` (``step_NNNNNN``), where its writers upload their
-        files; a stored ``state.pt`` of that name (a checkpoint written again) is deleted first,
-        so the stored checkpoint is not complete until :meth:`sync` uploads the new one. None for a
-        storage only this process sees (``memory://``): :meth:`sync` uploads every file."""
-        import pyarrow.fs as pafs
-
-        from ray_diloco.components.checkpoint import STATE_FILE
-
-        remote = f"{self.path}/checkpoints/{name}/{STATE_FILE}"
-        try:
-            if self.fs.get_file_info(remote).type == pafs.FileType.File:
-                self.fs.delete_file(remote)
-        except Exception:  # noqa: BLE001 - unreachable storage: sync reports it
-            pass
-        self._uploaded.discard(name)
-        if self.uri.split("://", 1)[0] == "memory":
-            return None
-        return join_uri(self.uri, f"checkpoints/{name}")
-
-    def uploaded_by_writers(self, name: str, files: set[str]) -> None:
-        """Files of checkpoint ``name`` its writers uploaded themselves: :meth:`sync` skips them."""
-        self._by_writers[name] = set(files)
-
-    def sync(self, final: bool = False) -> bool:
-        """Upload new checkpoints and the run files (and, when ``final``, the summary and the
-        exported model); delete checkpoints no longer kept locally. Returns True on success."""
-        import pyarrow.fs as pafs
-
-        from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints
-
-        try:
-            local = {p.name: p for _, p in list_checkpoints(self.run_dir)}
-            for name, p in local.items():  # oldest first: the newest is written last
-                if name not in self._uploaded:  # the workers' and driver's files, then state.pt: it marks it complete
-                    remote = f"{self.path}/checkpoints/{name}"
-                    if self.fs.get_file_info(f"{remote}/{STATE_FILE}").type == pafs.FileType.File:
-                        self.fs.delete_file(f"{remote}/{STATE_FILE}")  # re-uploaded: not complete until the end
-                    done = self._by_writers.pop(name, set())
-                    for f in sorted(
-                        (f for f in p.iterdir() if not f.name.startswith(".") and f.name not in done),
-                        key=lambda f: f.name == STATE_FILE,
-                    ):
-                        _put(self.fs, f, f"{remote}/{f.name}")
-                    self._uploaded.add(name)
-            stored = [i for i in _listing(self.fs, f"{self.path}/checkpoints") if i.base_name.startswith("step_")]
-            # with keep: the newest `keep` of stored and local (a resume elsewhere fetched only the
-            # newest: the older stored ones stay); without: what the run directory still holds
-            kept = set(sorted(set(local) | {i.base_name for i in stored})[-self.keep :]) if self.keep else set(local)
-            for info in stored:
-                if info.base_name not in kept:
-                    self.fs.delete_dir(info.path)
-                    self._uploaded.discard(info.base_name)
-            for name in RUN_FILES + (FINAL_FILES if final else ()):
-                _put(self.fs, self.run_dir / name, f"{self.path}/{name}")
-            return True
-        except Exception as e:  # network, permissions, quota: keep training; the local copy is whole
-            logger.warning(f"warning: could not mirror the run to {self.uri} ({error_line(e)})")
-            return False
-
-
-def download_run(uri: str, output_dir: str | Path) -> Path:
-    """Fetch what a resume needs from a mirrored run directory ``uri`` into
-    ``output_dir/NAME``: config, tokenizer, metrics, W&B id and the newest checkpoint. Files
-    already there are replaced only by newer checkpoints. Returns the local run directory.
-
-    Raises:
-        CheckpointError: nothing resumable at ``uri`` (no config.yaml or no checkpoint).
-    """
-    import pyarrow.fs as pafs
-
-    from ray_diloco.components.checkpoint import STATE_FILE, list_checkpoints
-
-    fs, path = filesystem(uri)
-    name = posixpath.basename(path.rstrip("/"))
-    local = Path(output_dir).expanduser() / name
-    try:
-        if fs.get_file_info(f"{path}/config.yaml").type != pafs.FileType.File:
-            raise CheckpointError(f"--resume {uri}: not a run directory (no config.yaml there)")
-        steps = sorted(
-            i.base_name
-            for i in _listing(fs, f"{path}/checkpoints")
-            if i.base_name.startswith("step_") and fs.get_file_info(f"{i.path}/{STATE_FILE}").type == pafs.FileType.File
-        )
-        if not steps:
-            raise CheckpointError(f"--resume {uri}: no complete checkpoint there")
-        newest = steps[-1]
-        have = {p.name for _, p in list_checkpoints(local)}
-        local.mkdir(parents=True, exist_ok=True)
-        for item in RUN_FILES:
-            info = fs.get_file_info(f"{path}/{item}")
-            if info.type == pafs.FileType.Directory:
-                for sub in _listing(fs, f"{path}/{item}", recursive=True):
-                    if sub.type == pafs.FileType.File:
-                        _get_file(fs, sub.path, local / item / sub.path[len(f"{path}/{item}/") :])
-            elif info.type == pafs.FileType.File:
-                _get_file(fs, f"{path}/{item}", local / item)
-        if newest not in have:
-            target = local / "checkpoints" / newest
-            tmp = local / "checkpoints" / f".tmp-{newest}"  # removed by remove_partial_checkpoints if killed
-            tmp.mkdir(parents=True, exist_ok=True)
-            for sub in _listing(fs, f"{path}/checkpoints/{newest}"):  # state.pt and the processes' files
-                if sub.type == pafs.FileType.File and not sub.base_name.startswith("."):  # not a killed upload's part
-                    _get_file(fs, sub.path, tmp / sub.base_name)
-            tmp.rename(target)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"--resume {uri}: cannot read it ({error_line(e)})") from None
-    return local
-
-
-def _get_file(fs: Any, remote: str, local: Path) -> None:
-    local.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local.with_name(local.name + ".part")
-    with fs.open_input_stream(remote) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(8 << 20):
-            dst.write(chunk)
-    os.replace(tmp, local)
 
 
 def read_text(uri_or_path: str) -> str | None:
@@ -281,33 +110,81 @@ def read_text(uri_or_path: str) -> str | None:
         return None
 
 
-def write_bytes(uri_or_path: str, data: bytes) -> None:
-    """Write a small file to a local path (atomically: temp file + rename) or a URI (one PUT)."""
-    if not is_uri(uri_or_path):
-        p = Path(uri_or_path).expanduser()
-        if p.is_dir():
-            raise OSError(21, "Is a directory (give a file path)", str(p))
-        tmp = p.with_name(p.name + ".tmp")
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(data)
-            os.replace(tmp, p)
-        except OSError as e:  # name the file asked for, not the temporary one, and leave nothing behind
-            if tmp.parent.is_dir():
-                tmp.unlink(missing_ok=True)
-            why = (
-                "a parent is not a directory"
-                if isinstance(e, (FileExistsError, NotADirectoryError))
-                else (e.strerror or str(e))
-            )
-            raise OSError(e.errno, why, str(p)) from None
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], durable: bool = False) -> None:
+    """Write a local file whole or not at all: ``write(f)`` fills a temporary file in the same
+    directory (created with the parents), which then replaces ``path`` (``os.replace``: a reader
+    sees the old file or the new one, never a part); with ``durable`` it is fsynced first (a
+    checkpoint survives a power cut). The project's one temp-then-rename.
+
+    Raises:
+        OSError: naming ``path`` (not the temporary file), nothing left behind; ``is a
+            directory`` or ``a parent is not a directory`` when the path cannot be a file."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise OSError(21, "Is a directory (give a file path)", str(p))
+    tmp = None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, p)
+        tmp = None
+    except OSError as e:  # name the file asked for, not the temporary one
+        why = (
+            "a parent is not a directory"
+            if isinstance(e, (FileExistsError, NotADirectoryError))
+            else (e.strerror or str(e))
+        )
+        raise OSError(e.errno, why, str(p)) from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a directory tree, a file or a link (not what a link points to); nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def replace_dir(tmp: Path, final: Path, aside: Path) -> None:
+    """Put the finished directory ``tmp`` in place of ``final`` whole (the directory form of
+    :func:`atomic_write`): the old ``final`` (if any) is renamed to ``aside``, ``tmp`` to
+    ``final``, then ``aside`` is removed; a kill leaves the old directory or the new one (and
+    ``aside``, which the caller's clean-up recognises by its name).
+
+    Raises:
+        OSError: a rename failed (the old directory is back in place when the second one did)."""
+    remove_path(aside)
+    moved = final.exists() or final.is_symlink()
+    if moved:
+        os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if moved:
+            os.rename(aside, final)
+        raise
+    remove_path(aside)
+
+
+def write_bytes(uri_or_path: str | Path, data: bytes | memoryview) -> None:
+    """Write a small file to a local path (atomically: :func:`atomic_write`) or a URI (one PUT)."""
+    if not is_uri(str(uri_or_path)):
+        atomic_write(uri_or_path, lambda f: f.write(data))
         return
-    fs, path = filesystem(uri_or_path)
+    fs, path = filesystem(str(uri_or_path))
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(path) as f:
         f.write(data)
 
 
-def write_text(uri_or_path: str, text: str) -> None:
+def write_text(uri_or_path: str | Path, text: str) -> None:
     """:func:`write_bytes` of UTF-8 text."""
     write_bytes(uri_or_path, text.encode())

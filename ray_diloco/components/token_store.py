@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import posixpath
 import tempfile
@@ -38,8 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.components.storage import atomic_write
 from ray_diloco.errors import ConfigError, DataError
 from ray_diloco.log import error_line
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "ray-diloco-tokens"
 VERSION = 1
@@ -116,15 +120,7 @@ class Location:
                 with self.fs.open_output_stream(self.path(name)) as f:
                     f.write(data)
                 return
-            os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(self.path(name)))
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, self.path(name))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            atomic_write(self.path(name), lambda f: f.write(data))
         except OSError as e:
             reason = "disk full" if getattr(e, "errno", None) == 28 else f"{error_line(e)}"
             raise DataError(

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from ray_diloco.components.storage import write_text
 from ray_diloco.config import Config
 from ray_diloco.log import error_line
 
@@ -240,7 +241,5 @@ def _wait_for_wandb_files() -> None:
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
     """``summary.json`` (written atomically): final results for scripts and sweeps."""
     path = Path(run_dir) / "summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps({k: _clean(v) for k, v in summary.items()}, indent=2, default=str) + "\n")
     return path

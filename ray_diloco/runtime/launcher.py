@@ -26,7 +26,8 @@ from ray_diloco.components.checkpoint import (
 )
 from ray_diloco.components.data import Corpus, eval_split, load_corpus, load_saved_tokenizer, num_train_windows
 from ray_diloco.components.export import export_model
-from ray_diloco.components.storage import Mirror, download_run, filesystem, is_uri, join_uri, write_text
+from ray_diloco.components.mirror import Mirror, download_run
+from ray_diloco.components.storage import filesystem, is_uri, join_uri, write_text
 from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
 from ray_diloco.core.wire import communication_summary
@@ -102,9 +103,7 @@ def _truncate_metrics(run_dir: Path, outer_step: int) -> None:
                 keep.append(line)
         except json.JSONDecodeError:
             continue
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    write_text(path, "".join(k + "\n" for k in keep))
 
 
 # ---------------------------------------------------------------------------------------

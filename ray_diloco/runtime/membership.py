@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ray_diloco.components.storage import write_text
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import ModelFn
@@ -80,9 +80,7 @@ def request_scale(run_dir: str | Path, replicas: int) -> Path:
             "--resume --set run.steps=..."
         )
     path = run_dir / SCALE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"replicas": replicas}))
-    os.replace(tmp, path)
+    write_text(path, json.dumps({"replicas": replicas}))
     return path
 
 

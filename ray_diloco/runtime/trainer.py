@@ -31,7 +31,7 @@ import numpy as np
 from ray_diloco.components.checkpoint import global_params
 from ray_diloco.components.data import Corpus, val_windows
 from ray_diloco.components.export import check_sizes
-from ray_diloco.components.storage import Mirror
+from ray_diloco.components.mirror import Mirror
 from ray_diloco.components.tracking import Tracker
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import fragment_plan

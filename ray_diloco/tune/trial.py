@@ -53,7 +53,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
     run_dir = local_root / trial
     resume = None
     if remote:
-        from ray_diloco.components.storage import download_run
+        from ray_diloco.components.mirror import download_run
 
         assert cfg.run.storage_path is not None  # set above when remote
         try:

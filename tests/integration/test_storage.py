@@ -10,7 +10,8 @@ import shutil
 import pytest
 from helpers import read_metrics, tiny_overrides
 
-from ray_diloco.components.storage import download_run, filesystem
+from ray_diloco.components.mirror import download_run
+from ray_diloco.components.storage import filesystem
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
 from ray_diloco.runtime.launcher import train
@@ -65,7 +66,7 @@ def test_file_uri_mirror_prunes_and_downloads_the_newest_checkpoint(tmp_path):
     """pyarrow's local filesystem (file://): checkpoints are uploaded oldest first, ones pruned
     locally are deleted from the storage, a download fetches only the newest, and a mirror with
     keep (a resumed run elsewhere) keeps the newest stored ones."""
-    from ray_diloco.components.storage import Mirror
+    from ray_diloco.components.mirror import Mirror
 
     run = tmp_path / "local" / "r1"
     for step in (1, 2):
@@ -160,7 +161,7 @@ def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, t
     writer reaches) leaves its file to the mirror, with one note."""
     from helpers import start_trainer, torch_lm
 
-    from ray_diloco.components.storage import Mirror
+    from ray_diloco.components.mirror import Mirror
 
     store = f"file://{tmp_path / 'store'}"
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="up", diloco__cpus_per_worker=0.5))
