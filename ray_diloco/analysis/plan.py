@@ -56,13 +56,14 @@ def _describe(names: tuple[str, ...]) -> str:
 
 
 #: Seconds per value and thread of the fused CPU codec (``core.codec``), measured with
-#: ``python benchmarks/codec.py`` (100M values, 2 threads, 2026-12-03; docs/benchmarks.md): the
-#: encode with error feedback (residual in and out) and the decode added into an fp32 buffer
-#: (a receiver's decode; the outer side's check of a pseudo-gradient costs about the same).
+#: ``python benchmarks/codec.py`` (100M values, 2 threads, 2026-12-03, a quiet machine;
+#: docs/benchmarks.md): the encode with error feedback (residual in and out) and the decode added
+#: into an fp32 buffer (a receiver's decode; the outer side's check of a pseudo-gradient costs
+#: about the same).
 CODEC_S_PER_VALUE = {
-    "fp4_e3m0": {"encode": 2.9e-9, "decode": 0.35e-9},
-    "int8": {"encode": 1.5e-9, "decode": 0.36e-9},
-    "fp8_e4m3": {"encode": 6.8e-9, "decode": 0.38e-9},
+    "fp4_e3m0": {"encode": 1.8e-9, "decode": 0.36e-9},
+    "int8": {"encode": 1.7e-9, "decode": 0.42e-9},
+    "fp8_e4m3": {"encode": 6.6e-9, "decode": 0.40e-9},
 }
 #: Threads the outer side's maths uses (``runtime.outer_shards``: up to 4 of its node's cores).
 OUTER_THREADS = 4
