@@ -5,9 +5,9 @@ they like.
 What a command prints is a log record: a command's results (the final loss, the run directory,
 a sweep's table) are INFO records marked ``extra=RESULT`` and go to stdout; everything else
 (progress notes, membership events, warnings) goes to stderr, one line each, through tqdm so a
-progress bar is not broken. ``--quiet`` keeps warnings and results, ``--verbose`` adds debug
-records. Without a handler (a library user who configured nothing) Python prints warnings and
-errors only (``logging.lastResort``).
+progress bar is not broken. ``--quiet`` keeps warnings and results (and hides the progress
+bar), ``--verbose`` adds debug records. Without a handler (a library user who configured
+nothing) Python prints warnings and errors only (``logging.lastResort``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any, Literal, cast
 
 from ray_diloco.components.storage import write_text
 from ray_diloco.config import Config
-from ray_diloco.log import error_line
+from ray_diloco.log import error_line, installed
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Tracker:
         self._events: list[list[Any]] = []  # membership events so far (W&B table rows)
         self._start_wandb()
         self.bar = None
-        if cfg.tracking.progress:
+        if cfg.tracking.progress and installed() != -1:  # --quiet: no bar either
             from tqdm.auto import tqdm
 
             self.bar = tqdm(

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import alive, descendants, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
+from helpers import alive, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
 
 from ray_diloco.config import load_config
 from ray_diloco.core.fragments import tensor_hash
@@ -538,10 +538,11 @@ def test_resume_after_a_replacement_keeps_ids_slots_and_is_bitwise(ray_session, 
 
 
 @pytest.mark.slow
-def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
-    """`ray-diloco train` as a user runs it (its own local Ray, W&B offline): one replica worker
-    process is SIGKILLed mid-run; the run finishes with exit 0, a replacement joined, the
-    death and the join are in the log, metrics.jsonl, summary.json and the W&B run."""
+def test_cli_run_survives_a_killed_replica(tmp_path, small_text, ray_address):
+    """`ray-diloco train` as a user runs it on a running cluster (it joins the session's with
+    ``RAY_ADDRESS``; a local Ray of its own is test_cli's), W&B offline: one replica worker process
+    is SIGKILLed mid-run; the run finishes with exit 0, a replacement joined, the death and the
+    join are in the log, metrics.jsonl, summary.json and the W&B run."""
     import json
     import subprocess
     import sys
@@ -555,7 +556,7 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
                          run__checkpoint_every=10, tracking__wandb=True, run__name="cli", network__latency_ms=250.0)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "WANDB_MODE": "offline"}
+    env = {**os.environ, "WANDB_MODE": "offline", "RAY_ADDRESS": ray_address}
     proc = subprocess.Popen([sys.executable, "-m", "ray_diloco.cli", "train", "--config", str(path)], cwd=str(ROOT),
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "runs" / "cli"
@@ -563,14 +564,9 @@ def test_cli_run_survives_a_killed_replica(tmp_path, small_text):
         wait_for(lambda: proc.poll() is not None or ((run_dir / "metrics.jsonl").is_file() and len(
             (run_dir / "metrics.jsonl").read_text().splitlines()) >= 2), 240, "2 outer steps of the run")
         assert proc.poll() is None, "the run ended before its second outer step"
-        workers = []
-        for p in descendants(proc.pid):
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as fh:
-                    if b"ReplicaWorker" in fh.read():
-                        workers.append(p)
-            except OSError:
-                continue
+        from ray.util.state import list_actors
+
+        workers = [a.pid for a in list_actors(filters=[("class_name", "=", "ReplicaWorker"), ("state", "=", "ALIVE")])]
         assert len(workers) == 2, workers
         os.kill(random.choice(workers), signal.SIGKILL)
         out, err = proc.communicate(timeout=400)
