@@ -154,7 +154,7 @@ def test_log_model_uploads_the_exported_model_as_a_wandb_artifact(tmp_path, monk
     assert [f.path for f in arts[0].manifest.contents] == ["config.json"]
 
 
-def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, tmp_path, corpus):
+def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, tmp_path, corpus, caplog):
     """With run.storage_path, each worker and the driver upload the file they wrote straight to the
     storage (file:// here: every process sees it); the job's mirror then uploads only state.pt,
     last, which completes the stored checkpoint. A writer that cannot upload (a storage URI no
@@ -184,11 +184,10 @@ def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, t
         blocked.write_text("a file, not a directory")
         t.mirror = Mirror(t.run_dir, f"file://{tmp_path / 'store2'}")
         t.mirror.checkpoint_uri = lambda name: f"file://{blocked}/{name}"  # where the writers are sent
-        logged = []
-        t.log = logged.append
+        caplog.clear()
         t.outer_step(2)
         t.checkpoint()
-        assert any("could not upload" in line for line in logged), logged
+        assert any("could not upload" in r.getMessage() for r in caplog.records), caplog.text  # a warning
         assert t.mirror.sync()
         stored = tmp_path / "store2" / "up" / "checkpoints" / "step_000002"
         assert sorted(p.name for p in stored.iterdir()) == ["outer.pt", "state.pt", "worker-0-0.pt", "worker-1-0.pt"]
