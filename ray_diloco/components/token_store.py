@@ -104,9 +104,20 @@ class Location:
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
-            if self.remote and ("not exist" in str(e) or "NoSuchKey" in str(e) or "NoSuchBucket" in str(e)):
+            if self.remote and self._missing(name):  # the filesystem says so: no message matching
                 return None
             raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({error_line(e)})") from None
+
+    def _missing(self, name: str) -> bool:
+        """Whether the remote file ``name`` (or its bucket) does not exist, asked of the filesystem."""
+        from pyarrow.fs import FileType
+
+        try:
+            return bool(self.fs.get_file_info(self.path(name)).type == FileType.NotFound)
+        except FileNotFoundError:
+            return True
+        except OSError as e:  # a bucket that does not exist is reported as an error by some stores
+            return getattr(e, "errno", None) == 2
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
         """Write ``name`` atomically (temporary name then rename; one object put when remote).

@@ -212,3 +212,17 @@ def test_prepare_writes_a_store_to_s3_that_reads_back_as_the_local_one(ray_sessi
     with pytest.raises(DataError, match=r"already holds a prepared store \(manifest.json\); choose another --out"):
         prepare_store(PrepareOptions(out=uri, **opts))
     assert TokenStore(uri).id == b.id  # untouched
+
+
+def test_a_missing_remote_file_or_bucket_reads_as_absent(s3_bucket):
+    """A store on S3 (moto) asks the filesystem whether a file it cannot read exists: a missing
+    file, or a bucket that does not exist, reads as absent (None), never matched in an error's
+    text; what exists reads back."""
+    from ray_diloco.components.token_store import Location
+
+    store = Location(s3_bucket.replace("/runs?", "/stores/s?"))
+    assert store.read_bytes("manifest.json") is None
+    store.write_bytes("manifest.json", b"{}")
+    assert store.read_bytes("manifest.json") == b"{}"
+    nowhere = Location(s3_bucket.replace("s3://bucket-", "s3://no-such-bucket-"))
+    assert nowhere.read_bytes("manifest.json") is None
