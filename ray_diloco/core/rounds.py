@@ -179,23 +179,26 @@ class RoundBook:
         """Whether ``replica``'s pseudo-gradient counts for the round: it is a member that joined
         before ``step`` and the round is open. A member's message for a closed round is recorded
         ``late``. Call again after checking the message (the round may have closed meanwhile)."""
-        if replica not in self.members or self.members[replica] >= step:
+        if replica not in self.members:
             return False
-        if self.is_closed(fragment, step):
+        if self.is_closed(fragment, step):  # a member's, whenever it joined
             self.event("late", replica, fragment=fragment, step=step)
             return False
-        return True
+        return self.members[replica] < step
+
+    def not_twice(self, fragment: int, step: int, replica: int) -> None:
+        """Raises ValueError when ``replica`` already sent (or is sending) this round."""
+        r = self.rounds.get((fragment, step))
+        if (fragment, step, replica) in self._checking or (r is not None and replica in r.arrived):
+            raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
 
     def begin_check(self, fragment: int, step: int, replica: int) -> None:
         """Mark ``replica``'s message as being checked (until :meth:`end_check`).
 
         Raises:
-            ValueError: it already sent (or is sending) this round."""
-        key = (fragment, step, replica)
-        r = self.rounds.get((fragment, step))
-        if key in self._checking or (r is not None and replica in r.arrived):
-            raise ValueError(f"replica {replica}: sent fragment {fragment} at step {step} twice")
-        self._checking.add(key)
+            ValueError: it already sent (or is sending) this round (:meth:`not_twice`)."""
+        self.not_twice(fragment, step, replica)
+        self._checking.add((fragment, step, replica))
 
     def end_check(self, fragment: int, step: int, replica: int) -> None:
         self._checking.discard((fragment, step, replica))

@@ -505,12 +505,12 @@ class _Rounds:
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
             self.d._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
-                            f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
+                              f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
         if errors:
             raise errors[0]
         refs, version = [o[0] for o in outs], outs[0][3]
         outcome = self.d.book.stepped(fragment, step, version, list(refs), sum(o[1] for o in outs),
-                                    _combine_norms([o[2] for o in outs]))  # fmt: skip
+                                      _combine_norms([o[2] for o in outs]))  # fmt: skip
         self.d.recovery.after_step(fragment, _Stepped(step, terms, dict(r.parts), r.average_only, version), refs)
         return outcome
 
@@ -817,8 +817,7 @@ class OuterDriver:
                 return await self.rounds.reply(fragment, step, replica, version)
             norm = None if any(n is None for n in norms) else _combine_norms(norms)
         else:
-            self.book.begin_check(fragment, step, replica)  # a duplicate is refused all the same
-            self.book.end_check(fragment, step, replica)
+            self.book.not_twice(fragment, step, replica)  # a duplicate is refused all the same
         self.rounds.open(fragment, step, average_only)
         # a rejected one's slices a shard kept are dropped by the round's step; a valid one's
         # references are kept to rebuild a lost shard (until stepped)

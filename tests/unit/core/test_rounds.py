@@ -44,6 +44,7 @@ def test_a_round_closes_once_every_expected_member_arrived_and_steps_in_replica_
     assert not book.arrive(0, 5, 1, 3.0, 2.0, size=4, parts=["p1"])
     assert book.arrive(0, 5, 0, 1.0, 1.0, size=4, parts=["p0"])  # complete: closed now
     assert book.is_closed(0, 5) and not book.admits(0, 5, 0)
+    assert not book.admits(0, 5, 2)  # a member's message for a closed round is late, whenever it joined
     assert book.rounds[(0, 5)].parts == {0: ["p0"], 1: ["p1"]}
     terms, out = _step(book, 0, 5)
     assert terms == [(0, 1.0), (1, 3.0)] and out.included == {0, 1} and book.versions == [1, 0]
@@ -57,7 +58,7 @@ def test_a_round_closes_once_every_expected_member_arrived_and_steps_in_replica_
     assert (book.answer(0, 5, 1, 1).message, book.answer(0, 5, 1, 1).resync) == (None, False)
     stale = book.answer(0, 5, 2, 7)
     assert (stale.status, stale.version, stale.resync) == (DROPPED, 1, True)
-    assert _kinds(book) == [("late", 0)]  # its second try after the round closed
+    assert _kinds(book) == [("late", 0), ("late", 2)]  # tries after the round closed
 
 
 def test_a_rejected_or_abstaining_replica_is_left_out_and_told_so():
@@ -119,6 +120,8 @@ def test_a_duplicate_is_refused_while_it_is_checked_and_after_it_counted():
     book.arrive(0, 5, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="twice"):
         book.begin_check(0, 5, 0)
+    with pytest.raises(ValueError, match="twice"):
+        book.not_twice(0, 5, 0)  # an abstention is refused twice too, without being checked
 
 
 def test_only_the_newest_finished_round_per_fragment_is_kept_then_a_resync():
