@@ -5,19 +5,16 @@ directory whole (:func:`atomic_write`, :func:`replace_dir`). The run mirror buil
 
 from __future__ import annotations
 
-import logging
 import os
 import posixpath
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeGuard
 
 from ray_diloco.errors import ConfigError
 from ray_diloco.log import error_line
-
-logger = logging.getLogger(__name__)
 
 
 def is_uri(path: str | None) -> TypeGuard[str]:
@@ -125,8 +122,10 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object], durable:
     tmp = None
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        with os.fdopen(fd, "wb") as f:
+        # a new name (O_EXCL), made with the process's umask as the file itself would be (mkstemp's
+        # 0600 would keep a shared run directory's files from other readers)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "xb") as f:
             write(f)
             if durable:
                 f.flush()
