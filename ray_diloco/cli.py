@@ -7,7 +7,6 @@ exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -15,8 +14,6 @@ from typing import Any
 
 from ray_diloco.errors import RayDilocoError
 from ray_diloco.log import error_line
-
-logger = logging.getLogger(__name__)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import sys
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["RESULT", "error_line", "installed", "setup"]
 
 #: ``extra`` of a record that is a command's result (stdout), not a diagnostic (stderr).

@@ -19,7 +19,6 @@ Files (``torch.save``, numpy arrays stored as tensors, loaded with ``weights_onl
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -33,8 +32,6 @@ import torch
 from ray_diloco.components.storage import atomic_write, replace_dir
 from ray_diloco.errors import CheckpointError
 from ray_diloco.log import error_line
-
-logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.components.token_store import load_saved_tokenizer  # noqa: F401 (its home: the store reads it too)
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 from ray_diloco.log import error_line

@@ -23,8 +23,9 @@ from ray_diloco.components.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from ray_diloco.components.data import eval_split, load_corpus, load_saved_tokenizer, val_batch, val_windows
+from ray_diloco.components.data import eval_split, load_corpus, val_batch, val_windows
 from ray_diloco.components.export import model_with_params
+from ray_diloco.components.token_store import load_saved_tokenizer
 from ray_diloco.errors import CheckpointError, RayDilocoError
 from ray_diloco.log import error_line
 from ray_diloco.models.transformer import lm_loss, logits_of

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -16,8 +15,6 @@ from ray_diloco.core.fragments import Fragment, param_specs, unflatten_into
 from ray_diloco.core.wire import as_tensor
 from ray_diloco.errors import CheckpointError
 from ray_diloco.models.transformer import ModelFn, resolve_model_shape
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

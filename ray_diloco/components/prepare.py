@@ -403,8 +403,7 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
     """The run's tokenizer: the one a killed prepare saved in the store, else a new one (a sample
     read from the first files of ``make``'s source, or from all of them when those hold no rows or
     less text than the sample; ``column`` is checked)."""
-    from ray_diloco.components.data import load_saved_tokenizer
-    from ray_diloco.components.token_store import TOKENIZER_DIR
+    from ray_diloco.components.token_store import TOKENIZER_DIR, load_saved_tokenizer
 
     if writer.loc.read_bytes(f"{TOKENIZER_DIR}/tokenizer.json") is not None and writer.loc.read_bytes(
         "prepare-state.npz"

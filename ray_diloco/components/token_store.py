@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import logging
 import os
 import posixpath
 import tempfile
@@ -42,8 +41,6 @@ import numpy as np
 from ray_diloco.components.storage import atomic_write
 from ray_diloco.errors import ConfigError, DataError
 from ray_diloco.log import error_line
-
-logger = logging.getLogger(__name__)
 
 FORMAT = "ray-diloco-tokens"
 VERSION = 1
@@ -133,7 +130,7 @@ class Location:
                 return
             atomic_write(self.path(name), lambda f: f.write(data))
         except OSError as e:
-            reason = "disk full" if getattr(e, "errno", None) == 28 else f"{error_line(e)}"
+            reason = "disk full" if getattr(e, "errno", None) == 28 else error_line(e)
             raise DataError(
                 f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
                 "kept and a rerun continues"

@@ -84,7 +84,7 @@ class Tracker:
         try:
             self.wandb_run = self._init_wandb(mode)
         except Exception as e:  # unreachable server, not logged in: log offline, `wandb sync` uploads later
-            why = f"{error_line(e)}"
+            why = error_line(e)
             self.wandb_run = None
             if mode == "online":
                 import time
@@ -105,7 +105,7 @@ class Tracker:
                         logger.warning(f"warning: {self.wandb_warning}")
                         return
                     except Exception as e2:
-                        last = f"{error_line(e2)}"
+                        last = error_line(e2)
                         if attempt < 2:
                             time.sleep(1.0 + attempt)
                 why = last

@@ -42,10 +42,10 @@ FORMATS = QUANTIZATION_FORMATS
 _FP8_MAX = 448.0
 _FP4_EXP = np.arange(-2, 5)  # codes 1..7 -> 2^-2 .. 2^4; code 0 -> 0
 _FP4_MAX = 16.0
-SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")
+SCALED = ("fp8_e4m3", "int8", "fp4_e3m0")  # the formats with a scale per block
 #: The least block scale, fp32's smallest subnormal 2^-149: a block whose absmax is below
 #: ``max_value * 2^-150`` (6e-43 for fp8) would get scale 0 and every value 0 / 0.
-MIN_SCALE = 2.0**-149  # the formats with a scale per block
+MIN_SCALE = 2.0**-149
 
 
 def fused_codec() -> Any:

@@ -24,20 +24,22 @@ from ray_diloco.components.checkpoint import (
     lock_run_dir,
     remove_partial_checkpoints,
 )
-from ray_diloco.components.data import Corpus, eval_split, load_corpus, load_saved_tokenizer, num_train_windows
+from ray_diloco.components.data import Corpus, eval_split, load_corpus, num_train_windows
 from ray_diloco.components.export import export_model
 from ray_diloco.components.mirror import Mirror, download_run
 from ray_diloco.components.storage import filesystem, is_uri, join_uri, write_text
+from ray_diloco.components.token_store import load_saved_tokenizer
 from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
 from ray_diloco.core.wire import communication_summary
 from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
 from ray_diloco.log import RESULT, error_line
 from ray_diloco.models.transformer import ModelFn, pin_model_fields
+from ray_diloco.runtime.checkpointing import signals_deferred
 from ray_diloco.runtime.cluster import check_resources, error_cause, init_ray
 from ray_diloco.runtime.resolved import ResolvedRun
 from ray_diloco.runtime.strategy import strategy_class
-from ray_diloco.runtime.trainer import Trainer, signals_deferred
+from ray_diloco.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

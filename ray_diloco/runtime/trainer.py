@@ -38,7 +38,7 @@ from ray_diloco.core.fragments import fragment_plan
 from ray_diloco.core.schedules import is_due, outer_step_bounds
 from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import ModelFn
-from ray_diloco.runtime.checkpointing import restore_workers, signals_deferred, write_checkpoint
+from ray_diloco.runtime.checkpointing import restore_workers, write_checkpoint
 from ray_diloco.runtime.cluster import Replica, all_workers, check_resources, start_replicas, stop_replicas
 from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
@@ -375,4 +375,4 @@ class Trainer:
         self.replicas = []
 
 
-__all__ = ["Trainer", "RunState", "signals_deferred"]
+__all__ = ["Trainer", "RunState"]

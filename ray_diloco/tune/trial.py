@@ -4,7 +4,6 @@ outer step by outer step, stopped at an outer-step boundary, resumed from its ow
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 from pathlib import Path
@@ -16,8 +15,6 @@ from ray_diloco.components.storage import join_uri
 from ray_diloco.config import Config
 from ray_diloco.errors import ConfigError, RayDilocoError
 from ray_diloco.tune.space import SweepSpec
-
-logger = logging.getLogger(__name__)
 
 
 class TrialError(RuntimeError):

@@ -181,7 +181,7 @@ def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
 
     from ray_diloco.components.checkpoint import list_checkpoints, save_checkpoint
     from ray_diloco.runtime import cluster
-    from ray_diloco.runtime.trainer import signals_deferred
+    from ray_diloco.runtime.checkpointing import signals_deferred
 
     state = {"outer_step": 1, "big": torch.arange(2_000_000, dtype=torch.float32)}
     before = signal.getsignal(signal.SIGTERM)

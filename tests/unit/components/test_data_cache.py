@@ -87,7 +87,7 @@ def test_the_key_follows_the_bytes_the_tokenizer_and_the_settings(src, tmp_path)
 def test_a_resume_with_the_runs_tokenizer_reads_the_first_runs_entry(src, tmp_path, monkeypatch):
     """A resume passes the run's saved tokenizer: the entry its first run wrote (keyed by the
     char/bpe recipe) is used when it holds that same tokenizer; another tokenizer gets its own."""
-    from ray_diloco.components.data import load_saved_tokenizer
+    from ray_diloco.components.token_store import load_saved_tokenizer
 
     cfg = cfg_for(src, tmp_path / "cache")
     first = load_corpus(cfg)
