@@ -512,16 +512,26 @@ class ShardGroup:
         pool = _worker_nodes({n for n in self.nodes if n is not None})
         near = {self.nodes[self.buddy(i)], self.nodes[(i - 1) % self.k]}  # its keeper, and whose copy it keeps
         pool.sort(key=lambda n: n in near)  # stable: otherwise by node id
-        self.nodes[i] = pool[0] if pool else None
-        new = self._start(i)
-        try:
-            restored = await new.restore.remote(backup)
-            prev = (i - 1) % self.k
-            if prev != i:
-                await new.keep.remote(prev, await self.one(prev, "backup_all"))
-        except BaseException:
-            ray.kill(new)
-            raise
+        tried: list[str | None] = []
+        while True:
+            self.nodes[i] = next((n for n in pool if n not in tried), None)
+            new = self._start(i)
+            try:
+                restored = await new.restore.remote(backup)
+                prev = (i - 1) % self.k
+                if prev != i:
+                    await new.keep.remote(prev, await self.one(prev, "backup_all"))
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
+                # the new actor died or was never started: its node died before Ray listed it dead
+                # (seen as "cancelled before it started running"); the next node, once each
+                ray.kill(new)
+                tried.append(self.nodes[i])
+                if self.nodes[i] is None:
+                    raise
+            except BaseException:
+                ray.kill(new)
+                raise
         self.actors[i] = new
         self.gens[i] += 1
         return {**restored, "seconds": time.monotonic() - t0}

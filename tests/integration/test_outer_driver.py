@@ -320,3 +320,36 @@ def test_a_lost_outer_shard_is_rebuilt_with_the_same_bits(ray_session):
         assert torch.equal(sa["optimizers"][f]["state"][0]["momentum_buffer"],
                            sb["optimizers"][f]["state"][0]["momentum_buffer"])
     assert sb["versions"] == [4, 4]
+
+
+def test_a_shard_rebuilt_on_a_node_that_is_gone_is_started_on_the_next(ray_session, monkeypatch):
+    """A node can die after Ray last listed it alive: the rebuilt shard's actor, pinned to it, is
+    never started (seen on a 3-node cluster as "cancelled before it started running"). The
+    rebuild starts it on the next live node instead, restored with the same bits."""
+    import asyncio
+
+    from ray_diloco.runtime import outer_shards
+    from ray_diloco.runtime.outer_shards import ShardGroup
+
+    ray = ray_session
+    cfg = load_config({"diloco": {"outer_shards": 2}}).to_dict()
+    theta = [np.arange(1001, dtype=np.float32), np.ones(5000, np.float32)]
+
+    async def scenario():
+        group = ShardGroup(cfg, 2)
+        await group.all("init_global", [ray.put(t) for t in theta])
+        for i in range(2):  # each shard keeps its buddy's copy, as the driver seeds them
+            await group.one(group.buddy(i), "keep", i, await group.one(i, "backup_all"))
+        before = await group.all("state_hash")
+        ray.kill(group.actors[0])
+        gone = "ab" * 28  # a node id Ray no longer has
+        monkeypatch.setattr(outer_shards, "_worker_nodes", lambda avoid: [gone, ray.get_runtime_context().get_node_id()])
+        info = await group.replace(0)
+        after = await group.all("state_hash")
+        return group, before, info, after
+
+    group, before, info, after = asyncio.run(scenario())
+    assert info["node"] == ray.get_runtime_context().get_node_id() and group.nodes[0] != "ab" * 28
+    assert after == before and group.gens == [1, 0]
+    for a in group.actors:
+        ray.kill(a)
