@@ -48,7 +48,9 @@ def ray_session():
         # and reference loops from tests/helpers.py); no job runtime_env, so Ray's prestarted workers
         # can host actors
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        # address="local": a cluster another process started here (`ray start`, a test script's
+        # cluster_utils head) is never joined by chance
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
 
