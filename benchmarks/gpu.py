@@ -92,7 +92,7 @@ def plain_loop(cfg, corpus, steps: int, warmup: int, device: torch.device) -> di
     autocast and AdamW, random windows; returns tokens/s and peak allocated memory."""
     from ray_diloco.core.schedules import inner_lr
     from ray_diloco.models.transformer import build_model, make_inner_optimizer
-    from ray_diloco.runtime.replica import accumulate_gradients
+    from ray_diloco.runtime.inner_loop import accumulate_gradients
 
     model = build_model(cfg, corpus.vocab_size).to(device)
     opt = make_inner_optimizer(model, cfg)

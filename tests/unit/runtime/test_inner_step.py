@@ -13,7 +13,8 @@ from helpers import tiny_overrides, torch_lm
 from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import build_model, lm_loss, logits_of
-from ray_diloco.runtime.replica import ReplicaWorker, accumulate_gradients, to_host
+from ray_diloco.runtime.inner_loop import accumulate_gradients, to_host
+from ray_diloco.runtime.replica import ReplicaWorker
 
 
 def _batch(vocab: int, b: int = 8, t: int = 16):
@@ -71,7 +72,7 @@ def test_activation_checkpointing_changes_no_number(tmp_path, corpus):
     parameters, bitwise (deterministic CPU kernels)."""
     plain = _worker(tmp_path, corpus, run__deterministic=True)
     ckpt = _worker(tmp_path, corpus, run__deterministic=True, run__activation_checkpointing=True)
-    assert ckpt.model.is_activation_checkpointing and not plain.model.is_activation_checkpointing
+    assert ckpt.parts.model.is_activation_checkpointing and not plain.parts.model.is_activation_checkpointing
     a, b = plain.train(0, 3), ckpt.train(0, 3)
     assert a["train_loss"] == b["train_loss"]
     assert plain.params_hash() == ckpt.params_hash()
@@ -89,7 +90,7 @@ def test_states_leaving_a_worker_are_host_copies(tmp_path, corpus):
     w.train(0, 2)
     state = w.state_dict()
     opt = state["optimizer"]["state"]
-    live = w.optimizer.state_dict()["state"]
+    live = w.parts.optimizer.state_dict()["state"]
     for k, s in opt.items():
         for name, t in s.items():
             if isinstance(t, torch.Tensor):
@@ -108,7 +109,7 @@ def test_a_compiled_worker_trains_like_the_eager_one(tmp_path, corpus):
     model gives the same loss and parameters within fp32 rounding."""
     eager = _worker(tmp_path, corpus, run__deterministic=True)
     compiled = _worker(tmp_path, corpus, run__deterministic=True, run__compile=True)
-    assert compiled.net is not compiled.model  # the OptimizedModule around it
+    assert compiled.parts.net is not compiled.parts.model  # the OptimizedModule around it
     a, b = eager.train(0, 3), compiled.train(0, 3)
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
     torch.testing.assert_close(torch.from_numpy(compiled.local_fragment(0)), torch.from_numpy(eager.local_fragment(0)),
