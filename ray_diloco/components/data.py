@@ -380,6 +380,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     import shutil
     import tempfile
 
+    from ray_diloco.components.storage import publish_dir
     from ray_diloco.components.token_store import TokenStore, write_store
 
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
@@ -416,12 +417,8 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
             "source": {"path": str(path), "cache_key": key},
         }
         write_store(str(tmp), corpus.tokenizer, corpus.train, corpus.val, meta, vocab_size=corpus.vocab_size)
-        try:
-            os.rename(tmp, entry)
-            tmp = None
-        except OSError:
-            if not (entry / "manifest.json").is_file():  # not another run's finished entry
-                raise
+        publish_dir(tmp, entry, marker="manifest.json")  # another run's finished entry may win
+        tmp = None
         return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
     except (OSError, DataError) as e:
         logger.warning(

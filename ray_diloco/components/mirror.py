@@ -25,7 +25,7 @@ import posixpath
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ray_diloco.components.storage import atomic_write, filesystem, join_uri, put_file
+from ray_diloco.components.storage import atomic_write, filesystem, join_uri, publish_dir, put_file
 from ray_diloco.errors import CheckpointError
 from ray_diloco.log import error_line
 
@@ -174,7 +174,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
             for sub in _listing(fs, f"{path}/checkpoints/{newest}"):  # state.pt and the processes' files
                 if sub.type == pafs.FileType.File and not sub.base_name.startswith("."):  # not a killed upload's part
                     _get_file(fs, sub.path, tmp / sub.base_name)
-            tmp.rename(target)
+            publish_dir(tmp, target, marker=STATE_FILE)  # another process's download may win
     except CheckpointError:
         raise
     except Exception as e:

@@ -104,7 +104,7 @@ def resolve_sources(sources: list[str]) -> tuple[Any, list[str], list[int], str]
     """
     import pyarrow.fs as pafs
 
-    from ray_diloco.components.token_store import Location
+    from ray_diloco.components.storage import Location
 
     if not sources:
         raise DataError("prepare: no SOURCE given (files, directories or globs; or --dataset NAME)")
@@ -474,7 +474,7 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
     from ray.data import DataContext
 
     _check_options(opts)
-    from ray_diloco.components.token_store import Location
+    from ray_diloco.components.storage import Location
 
     if Location(opts.out, "--out").read_bytes("manifest.json") is not None:
         raise DataError(

@@ -1,7 +1,17 @@
 """The storage layer: local paths and URIs (``s3://``, ``gs://``, ``file://`` or any scheme pyarrow
-or fsspec knows) read and written the same way, and the project's one way to write a file or a
-directory whole (:func:`atomic_write`, :func:`replace_dir`). The run mirror built on it is
-``components.mirror``."""
+or fsspec knows) read and written the same way, through pyarrow's filesystem interface (fsspec's
+filesystems wrapped into it for the schemes pyarrow lacks: :func:`filesystem`).
+
+- Whole or not at all, every temp-then-rename of the project: a file (:func:`atomic_write`;
+  :func:`put_file` to a URI), a directory replacing another (:func:`replace_dir`: checkpoints,
+  the export), a directory whose first writer wins (:func:`publish_dir`: the data cache, a
+  downloaded checkpoint).
+- A directory anywhere (:class:`Location`: the token store, ``prepare``): read, write, list,
+  delete, copy to and from a local directory, every error one line naming the option.
+- Small files anywhere: :func:`read_text`, :func:`write_bytes`, :func:`write_text`;
+  :func:`upload_file` from a worker's node.
+
+The run mirror built on it is ``components.mirror``."""
 
 from __future__ import annotations
 
@@ -13,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeGuard
 
-from ray_diloco.errors import ConfigError
+from ray_diloco.errors import ConfigError, DataError
 from ray_diloco.log import error_line
 
 
@@ -173,6 +183,24 @@ def replace_dir(tmp: Path, final: Path, aside: Path) -> None:
     remove_path(aside)
 
 
+def publish_dir(tmp: Path, final: Path, marker: str | None = None) -> bool:
+    """Rename the finished directory ``tmp`` to ``final`` unless another writer's is there already
+    (two runs building the same cache entry together: the first rename wins, the loser's ``tmp`` is
+    removed and it uses the winner's). ``marker``: a file a finished ``final`` holds (a directory
+    without it is not another writer's finished one). Returns whether this ``tmp`` was published.
+
+    Raises:
+        OSError: the rename failed and no finished ``final`` is there (``tmp`` is kept)."""
+    try:
+        os.rename(tmp, final)
+        return True
+    except OSError:
+        if not final.is_dir() or (marker is not None and not (final / marker).is_file()):
+            raise
+    remove_path(tmp)
+    return False
+
+
 def write_bytes(uri_or_path: str | Path, data: bytes | memoryview) -> None:
     """Write a small file to a local path (atomically: :func:`atomic_write`) or a URI (one PUT)."""
     if not is_uri(str(uri_or_path)):
@@ -187,3 +215,97 @@ def write_bytes(uri_or_path: str | Path, data: bytes | memoryview) -> None:
 def write_text(uri_or_path: str | Path, text: str) -> None:
     """:func:`write_bytes` of UTF-8 text."""
     write_bytes(uri_or_path, text.encode())
+
+
+class Location:
+    """A directory at a local path or a URI (:func:`filesystem`), its files read, written
+    (atomically), listed, deleted and copied to and from a local directory; every storage error
+    becomes one :class:`~ray_diloco.errors.DataError` line naming ``field`` (the option that gave
+    ``where``), its value and the file.
+
+    Raises:
+        DataError: no filesystem for the URI (at construction)."""
+
+    def __init__(self, where: str, field: str = "data.prepared"):
+        self.where, self.field, self.remote = str(where), field, is_uri(str(where))
+        if self.remote:
+            try:
+                self.fs, self.root = filesystem(self.where)
+            except ConfigError as e:
+                raise DataError(f"{field} = {where!r}: {e.problems[0].split(': ', 1)[-1]}") from None
+        else:
+            self.fs, self.root = None, str(Path(self.where).expanduser())
+
+    def path(self, name: str) -> str:
+        """The file ``name`` inside the store (a local path or a path in the filesystem)."""
+        return posixpath.join(self.root, name) if self.remote else os.path.join(self.root, name)
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The file's bytes, None when it does not exist."""
+        try:
+            if not self.remote:
+                return Path(self.path(name)).read_bytes()
+            with self.fs.open_input_stream(self.path(name)) as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            if self.remote and self._missing(name):  # the filesystem says so: no message matching
+                return None
+            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({error_line(e)})") from None
+
+    def _missing(self, name: str) -> bool:
+        """Whether the remote file ``name`` (or its bucket) does not exist, asked of the filesystem."""
+        from pyarrow.fs import FileType
+
+        try:
+            return bool(self.fs.get_file_info(self.path(name)).type == FileType.NotFound)
+        except FileNotFoundError:
+            return True
+        except OSError as e:  # a bucket that does not exist is reported as an error by some stores
+            return getattr(e, "errno", None) == 2
+
+    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Write ``name`` atomically (temporary name then rename; one object put when remote).
+
+        Raises:
+            DataError: the disk is full or the store cannot be written (the temporary file is removed).
+        """
+        try:
+            if self.remote:
+                self.fs.create_dir(posixpath.dirname(self.path(name)), recursive=True)
+                with self.fs.open_output_stream(self.path(name)) as f:
+                    f.write(data)
+                return
+            atomic_write(self.path(name), lambda f: f.write(data))
+        except OSError as e:
+            reason = "disk full" if getattr(e, "errno", None) == 28 else error_line(e)
+            raise DataError(
+                f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
+                "kept and a rerun continues"
+            ) from None
+
+    def delete(self, name: str) -> None:
+        """Remove ``name`` if it exists."""
+        if self.remote:
+            try:
+                self.fs.delete_file(self.path(name))
+            except OSError:
+                pass
+        else:
+            Path(self.path(name)).unlink(missing_ok=True)
+
+    def put_dir(self, local: Path, name: str) -> None:
+        """Copy the files of the local directory ``local`` to ``name/`` (each atomically)."""
+        for f in sorted(Path(local).iterdir()):
+            if f.is_file():
+                self.write_bytes(f"{name}/{f.name}", f.read_bytes())
+
+    def get_dir(self, name: str, files: list[str], local: Path) -> Path:
+        """Copy ``name/FILE`` for each of ``files`` that exists into the local directory ``local``."""
+        local.mkdir(parents=True, exist_ok=True)
+        for fname in files:
+            data = self.read_bytes(f"{name}/{fname}")
+            if data is not None:
+                (local / fname).write_bytes(data)
+        return local

@@ -27,7 +27,6 @@ import hashlib
 import io
 import json
 import os
-import posixpath
 import tempfile
 import threading
 import zlib
@@ -38,9 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.components.storage import atomic_write
-from ray_diloco.errors import ConfigError, DataError
-from ray_diloco.log import error_line
+from ray_diloco.components.storage import Location
+from ray_diloco.errors import DataError
 
 FORMAT = "ray-diloco-tokens"
 VERSION = 1
@@ -65,101 +63,6 @@ def chunk_crcs(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> list
     """crc32 of each ``chunk_bytes`` slice of ``data`` (the last one may be shorter)."""
     view = memoryview(data)
     return [zlib.crc32(view[i : i + chunk_bytes]) for i in range(0, len(view), chunk_bytes)] or [0]
-
-
-# ---------------------------------------------------------------------------------------
-# where a store lives
-
-
-class Location:
-    """A store's directory: a local path or a URI read and written through pyarrow
-    (:func:`ray_diloco.components.storage.filesystem`). ``field`` names the option in errors."""
-
-    def __init__(self, where: str, field: str = "data.prepared"):
-        from ray_diloco.components.storage import filesystem, is_uri
-
-        self.where, self.field, self.remote = str(where), field, is_uri(str(where))
-        if self.remote:
-            try:
-                self.fs, self.root = filesystem(self.where)
-            except ConfigError as e:
-                raise DataError(f"{field} = {where!r}: {e.problems[0].split(': ', 1)[-1]}") from None
-        else:
-            self.fs, self.root = None, str(Path(self.where).expanduser())
-
-    def path(self, name: str) -> str:
-        """The file ``name`` inside the store (a local path or a path in the filesystem)."""
-        return posixpath.join(self.root, name) if self.remote else os.path.join(self.root, name)
-
-    def read_bytes(self, name: str) -> bytes | None:
-        """The file's bytes, None when it does not exist."""
-        try:
-            if not self.remote:
-                return Path(self.path(name)).read_bytes()
-            with self.fs.open_input_stream(self.path(name)) as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            if self.remote and self._missing(name):  # the filesystem says so: no message matching
-                return None
-            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({error_line(e)})") from None
-
-    def _missing(self, name: str) -> bool:
-        """Whether the remote file ``name`` (or its bucket) does not exist, asked of the filesystem."""
-        from pyarrow.fs import FileType
-
-        try:
-            return bool(self.fs.get_file_info(self.path(name)).type == FileType.NotFound)
-        except FileNotFoundError:
-            return True
-        except OSError as e:  # a bucket that does not exist is reported as an error by some stores
-            return getattr(e, "errno", None) == 2
-
-    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
-        """Write ``name`` atomically (temporary name then rename; one object put when remote).
-
-        Raises:
-            DataError: the disk is full or the store cannot be written (the temporary file is removed).
-        """
-        try:
-            if self.remote:
-                self.fs.create_dir(posixpath.dirname(self.path(name)), recursive=True)
-                with self.fs.open_output_stream(self.path(name)) as f:
-                    f.write(data)
-                return
-            atomic_write(self.path(name), lambda f: f.write(data))
-        except OSError as e:
-            reason = "disk full" if getattr(e, "errno", None) == 28 else error_line(e)
-            raise DataError(
-                f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
-                "kept and a rerun continues"
-            ) from None
-
-    def delete(self, name: str) -> None:
-        """Remove ``name`` if it exists."""
-        if self.remote:
-            try:
-                self.fs.delete_file(self.path(name))
-            except OSError:
-                pass
-        else:
-            Path(self.path(name)).unlink(missing_ok=True)
-
-    def put_dir(self, local: Path, name: str) -> None:
-        """Copy the files of the local directory ``local`` to ``name/`` (each atomically)."""
-        for f in sorted(Path(local).iterdir()):
-            if f.is_file():
-                self.write_bytes(f"{name}/{f.name}", f.read_bytes())
-
-    def get_dir(self, name: str, files: list[str], local: Path) -> Path:
-        """Copy ``name/FILE`` for each of ``files`` that exists into the local directory ``local``."""
-        local.mkdir(parents=True, exist_ok=True)
-        for fname in files:
-            data = self.read_bytes(f"{name}/{fname}")
-            if data is not None:
-                (local / fname).write_bytes(data)
-        return local
 
 
 # ---------------------------------------------------------------------------------------

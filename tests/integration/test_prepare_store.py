@@ -218,7 +218,7 @@ def test_a_missing_remote_file_or_bucket_reads_as_absent(s3_bucket):
     """A store on S3 (moto) asks the filesystem whether a file it cannot read exists: a missing
     file, or a bucket that does not exist, reads as absent (None), never matched in an error's
     text; what exists reads back."""
-    from ray_diloco.components.token_store import Location
+    from ray_diloco.components.storage import Location
 
     store = Location(s3_bucket.replace("/runs?", "/stores/s?"))
     assert store.read_bytes("manifest.json") is None

@@ -45,7 +45,7 @@ def test_a_run_reads_a_local_store_and_refuses_another_on_resume(ray_session, tm
 def test_a_run_reads_a_store_on_s3(ray_session, tmp_path, s3_bucket):
     local = _store(str(tmp_path / "store"))
     uri = s3_bucket.replace("/runs?", "/stores/shakespeare?")
-    from ray_diloco.components.token_store import Location
+    from ray_diloco.components.storage import Location
 
     loc = Location(uri)
     for f in sorted(Path(local.where).rglob("*")):
