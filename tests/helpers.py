@@ -90,13 +90,17 @@ def run_cli(args: list[str], timeout: float = 600, env: dict | None = None):
                           timeout=timeout, env=e, cwd=str(ROOT))
 
 
-def start_trainer(cfg, corpus, model_fn=None, resume_state=None):
+def start_trainer(cfg, corpus, model_fn=None, resume_state=None, mirror_to=None):
     """A started :class:`~ray_diloco.runtime.trainer.Trainer` in a new run directory of ``cfg``:
-    the outer-step loop driven by hand (``t.outer_step(k)``) in integration tests."""
+    the outer-step loop driven by hand (``t.outer_step(k)``) in integration tests. ``mirror_to``:
+    a storage path the run directory is mirrored to."""
+    from ray_diloco.components.mirror import Mirror
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, model_fn, resume_state)
+    run_dir = _new_run_dir(cfg)
+    mirror = Mirror(run_dir, mirror_to) if mirror_to else None
+    t = Trainer(cfg, run_dir, corpus, model_fn, resume_state, mirror=mirror)
     t.start()
     return t
 

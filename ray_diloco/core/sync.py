@@ -12,7 +12,7 @@ pseudo-gradient carries this round's work too (DiLoCo, arXiv 2311.08105, section
 outer gradients); ``rejected`` (non-finite) resets every fragment to the global parameters
 and calls ``on_reset`` (the runtime clears the inner optimiser).
 
-No Ray here: :class:`FragmentSync` is driven by the training thread of ``runtime/replica.py``
+No Ray here: :class:`FragmentSync` is driven by the training thread of ``runtime/inner_loop.py`` (``InnerLoop.train``)
 and talks to the driver through any :class:`Transport` (``runtime/link.py``'s ``Link``).
 """
 

@@ -13,7 +13,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_diloco.components.checkpoint import (
     OUTER_FILE,
@@ -25,121 +25,155 @@ from ray_diloco.components.checkpoint import (
     worker_file,
 )
 from ray_diloco.components.storage import join_uri
+from ray_diloco.config import Config
+from ray_diloco.core.fragments import Fragment
 from ray_diloco.errors import CheckpointError
+from ray_diloco.runtime.run_state import RunState
+
+if TYPE_CHECKING:
+    from ray_diloco.components.mirror import Mirror
+    from ray_diloco.runtime.membership import Membership
+    from ray_diloco.runtime.strategy import SyncStrategy
+    from ray_diloco.runtime.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
 
-def restore_workers(t: Any, rs: dict[str, Any]) -> None:
-    """The :class:`~ray_diloco.runtime.trainer.Trainer` ``t``'s workers from the checkpoint ``rs``: inner-optimiser state and local parameters (DDP: rank 0's, for every rank of its replica;
-    FSDP: each rank's own rows), data position, RNG and syncs in flight (each worker's own).
-    A checkpoint of per-worker files: each worker reads its own (a file its node cannot see
-    is read here and sent)."""
-    import ray
+class Checkpointer:
+    """Writes a run's checkpoints and restores its workers from one (see the module docstring).
 
-    states, cid = rs["workers"], rs.get("checkpoint_id")
-    fsdp = t.cfg.exchange_units > 1  # each rank has its own rows' state
-    calls = []
-    for r in t.replicas:
-        for rank, w in enumerate(r.workers):
-            own, full = states[(r.index, rank)], None if fsdp or rank == 0 else states[(r.index, 0)]
-            calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
-    for key, w, own, full, ref in calls:
-        if not ray.get(ref):  # this worker's node does not see the run directory: through the job
-            logger.warning(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
-            own, full = (read_state_file(Path(x["file"])) if x is not None and "file" in x else x for x in (own, full))
-            ray.get(w.restore_state.remote(own, full, cid))
+    Args:
+        cfg: the run's config (the resolved one: what checkpoints record).
+        run_dir: the run directory. supervisor: calls every live worker (a replica lost meanwhile
+            is left out). sync: the sync strategy (writes the outer state). members: the replicas'
+            membership (its state is checkpointed). mirror: the copy of the run in
+            ``run.storage_path`` (writers upload their files there too), or None.
+        corpus_fingerprint: the corpus's fingerprint (a resume checks it). custom_model: the run
+            trains a ``model_fn``'s model, not a preset.
+    """
 
+    def __init__(self, cfg: Config, run_dir: Path, supervisor: Supervisor, sync: SyncStrategy, members: Membership,
+                 mirror: Mirror | None, corpus_fingerprint: str, custom_model: bool):  # fmt: skip
+        self.cfg, self.run_dir, self.supervisor, self.sync = cfg, run_dir, supervisor, sync
+        self.members, self.mirror = members, mirror
+        self.identity = {"corpus_fingerprint": corpus_fingerprint, "custom_model": custom_model}
 
-def write_checkpoint(t: Any) -> Path:
-    """Write the :class:`~ray_diloco.runtime.trainer.Trainer` ``t``'s checkpoint atomically: every worker writes its own state file and the driver the
-    outer state, into the checkpoint's temporary directory; this process writes only the small
-    ``state.pt`` naming them (:mod:`~ray_diloco.components.checkpoint`), then renames the
-    directory. It never holds the model or an optimiser state (unless a writer's node cannot
-    see the run directory: that state comes here and is written inline, with a note)."""
-    t.settle()
-    fsdp = t.cfg.exchange_units > 1  # every rank holds its own rows
-    st = t.state
-    name = f"step_{st.outer_step:06d}"
-    # run.storage_path: each writer uploads its own file there too (in parallel, from its node)
-    remote = t.mirror.checkpoint_uri(name) if t.mirror is not None else None
-    tmp = begin_checkpoint(t.run_dir, st.outer_step)  # absolute: the writers' directories differ
-    try:
-        token = place_marker(tmp)  # a writer that does not read it there does not share the run directory
-        written = t.supervisor.on_live(
-            "save_state",
-            lambda r, rank, i, n: (
-                str(tmp / worker_file(r.index, rank)),
-                rank == 0 or fsdp,
-                token,
-                remote and join_uri(remote, worker_file(r.index, rank)),
-            ),
-        )
-        failed = [info["error"] for info in written.values() if "error" in info]
-        if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
-            raise CheckpointError(f"checkpoint {tmp.parent / name}: {failed[0]}")
-        workers = {key: _visible(t, tmp, info, key) for key, info in written.items()}
-        saved = t.sync.save_state(tmp / OUTER_FILE, token, remote and join_uri(remote, OUTER_FILE))
-        outer = _visible(t, tmp, saved, None) if saved is not None else None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if t.mirror is not None:
-        infos = [*written.values(), saved or {}]
-        t.mirror.uploaded_by_writers(name, {i["file"] for i in infos if i.get("uploaded")})
+    def restore_workers(self, rs: dict[str, Any]) -> None:
+        """The live workers from the checkpoint ``rs``: inner-optimiser state and local parameters
+        (DDP: rank 0's, for every rank of its replica; FSDP: each rank's own rows), data position,
+        RNG and syncs in flight (each worker's own). A checkpoint of per-worker files: each worker
+        reads its own (a file its node cannot see is read here and sent)."""
+        import ray
+
+        states, cid = rs["workers"], rs.get("checkpoint_id")
+        fsdp = self.cfg.exchange_units > 1  # each rank has its own rows' state
+        calls = []
+        for r in self.supervisor.replicas:
+            for rank, w in enumerate(r.workers):
+                own, full = states[(r.index, rank)], None if fsdp or rank == 0 else states[(r.index, 0)]
+                calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
+        for key, w, own, full, ref in calls:
+            if not ray.get(ref):  # this worker's node does not see the run directory: through the job
+                logger.warning(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
+                own, full = (
+                    read_state_file(Path(x["file"])) if x is not None and "file" in x else x for x in (own, full)
+                )
+                ray.get(w.restore_state.remote(own, full, cid))
+
+    def write(self, st: RunState, fragments: list[Fragment]) -> Path:
+        """Write the checkpoint of ``st`` (the run's counters; ``fragments``: the model's)
+        atomically: every worker writes its own state file and the driver the outer state, into
+        the checkpoint's temporary directory; this process writes only the small ``state.pt``
+        naming them (:mod:`~ray_diloco.components.checkpoint`), then renames the directory. It
+        never holds the model or an optimiser state (unless a writer's node cannot see the run
+        directory: that state comes here and is written inline, with a note). Syncs in flight
+        are answered first."""
+        self.supervisor.settle()
+        cfg, fsdp = self.cfg, self.cfg.exchange_units > 1  # every rank holds its own rows
+        name = f"step_{st.outer_step:06d}"
+        # run.storage_path: each writer uploads its own file there too (in parallel, from its node)
+        remote = self.mirror.checkpoint_uri(name) if self.mirror is not None else None
+        tmp = begin_checkpoint(self.run_dir, st.outer_step)  # absolute: the writers' directories differ
+        try:
+            token = place_marker(tmp)  # a writer that does not read it there does not share the run directory
+            written = self.supervisor.on_live(
+                "save_state",
+                lambda r, rank, i, n: (
+                    str(tmp / worker_file(r.index, rank)),
+                    rank == 0 or fsdp,
+                    token,
+                    remote and join_uri(remote, worker_file(r.index, rank)),
+                ),
+            )
+            failed = [info["error"] for info in written.values() if "error" in info]
+            if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
+                raise CheckpointError(f"checkpoint {tmp.parent / name}: {failed[0]}")
+            workers = {key: self._visible(tmp, info, key, st) for key, info in written.items()}
+            saved = self.sync.save_state(tmp / OUTER_FILE, token, remote and join_uri(remote, OUTER_FILE))
+            outer = self._visible(tmp, saved, None, st) if saved is not None else None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._uploaded(name, [*written.values(), saved or {}])
+        state = {
+            "format": 2,
+            "outer_step": st.outer_step,
+            "config": cfg.to_dict(),
+            **self.identity,
+            "counters": dataclasses.asdict(st),
+            "outer": outer,
+            "workers": workers,
+            "membership": self.members.state_dict(),
+            "sizes": [f.numel for f in fragments],
+            "checkpoint_id": token,
+        }
+        if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
+            state["exchange_units"] = cfg.exchange_units
+            state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in fragments]
+
+        with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
+            return finish_checkpoint(self.run_dir, st.outer_step, tmp, state, cfg.run.keep_checkpoints)
+
+    def _uploaded(self, name: str, infos: list[dict[str, Any]]) -> None:
+        """Tell the mirror which files of checkpoint ``name`` their writers uploaded (the rest it uploads)."""
+        if self.mirror is None:
+            return
+        self.mirror.uploaded_by_writers(name, {i["file"] for i in infos if i.get("uploaded")})
         problems = [i["upload_error"] for i in infos if "upload_error" in i]
         if problems:
             logger.warning(
-                f"note: {len(problems)} checkpoint writer(s) could not upload to {t.mirror.uri} "
+                f"note: {len(problems)} checkpoint writer(s) could not upload to {self.mirror.uri} "
                 f"({problems[0]}): this process uploads their files"
             )
-    state = {
-        "format": 2,
-        "outer_step": st.outer_step,
-        "config": t.cfg.to_dict(),
-        "corpus_fingerprint": t.corpus.fingerprint,
-        "custom_model": t.model_fn is not None,
-        "counters": dataclasses.asdict(st),
-        "outer": outer,
-        "workers": workers,
-        "membership": t.members.state_dict() if t.members is not None else None,
-        "sizes": [f.numel for f in t.fragments],
-        "checkpoint_id": token,
-    }
-    if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
-        state["exchange_units"] = t.cfg.exchange_units
-        state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in t.fragments]
 
-    with signals_deferred(replay=True):  # Ctrl-C / SIGTERM inside torch.save would fail the write
-        return finish_checkpoint(t.run_dir, st.outer_step, tmp, state, t.cfg.run.keep_checkpoints)
+    def _visible(self, tmp: Path, info: dict[str, Any], key: tuple[int, int] | None, st: RunState) -> dict[str, Any]:
+        """``{"file", "bytes"}`` when this process sees the file a worker (``key``) or the driver
+        (None) wrote, with its size; else (its node does not share the run directory) the state
+        itself, fetched here, with a note.
 
+        Raises:
+            CheckpointError: that worker died before its state could be fetched."""
+        import ray
 
-def _visible(t: Any, tmp: Path, info: dict[str, Any], key: tuple[int, int] | None) -> dict[str, Any]:
-    """``{"file", "bytes"}`` when this process sees the file a worker (``key``) or the driver
-    (None) wrote, with its size; else (its node does not share the run directory) the state
-    itself, fetched here, with a note.
-
-    Raises:
-        CheckpointError: that worker died before its state could be fetched."""
-    import ray
-
-    if "file" in info and visible_file({"file": str(tmp / info["file"]), "bytes": info["bytes"]}):
-        return {"file": info["file"], "bytes": info["bytes"]}
-    who = "the outer-optimiser driver" if key is None else f"worker {key}"
-    logger.warning(
-        f"note: {who} on node {info['node']} does not see {t.run_dir}: its checkpoint state goes "
-        "through this process (put run.output_dir on a file system every node shares)"
-    )
-    if key is None:
-        return t.sync.state_dict()
-    try:
-        r = next(r for r in t.replicas if r.index == key[0])
-        return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or t.cfg.exchange_units > 1))
-    except (StopIteration, ray.exceptions.RayError):
-        raise CheckpointError(
-            f"checkpoint of outer step {t.state.outer_step}: replica {key[0]} was lost while "
-            "its state was fetched; the next checkpoint goes without it"
-        ) from None
+        if "file" in info and visible_file({"file": str(tmp / info["file"]), "bytes": info["bytes"]}):
+            return {"file": info["file"], "bytes": info["bytes"]}
+        who = "the outer-optimiser driver" if key is None else f"worker {key}"
+        logger.warning(
+            f"note: {who} on node {info['node']} does not see {self.run_dir}: its checkpoint state goes "
+            "through this process (put run.output_dir on a file system every node shares)"
+        )
+        if key is None:
+            state = self.sync.state_dict()
+            assert state is not None  # save_state wrote something: there is a sync-side state
+            return state
+        try:
+            r = next(r for r in self.supervisor.replicas if r.index == key[0])
+            return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or self.cfg.exchange_units > 1))
+        except (StopIteration, ray.exceptions.RayError):
+            raise CheckpointError(
+                f"checkpoint of outer step {st.outer_step}: replica {key[0]} was lost while "
+                "its state was fetched; the next checkpoint goes without it"
+            ) from None
 
 
 @contextlib.contextmanager

@@ -259,8 +259,9 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     resolved = _resolve(cfg, corpus, model_fn, rs)
     _check_corpus(cfg, corpus, run_dir, rs)
     started_ray = init_ray(cfg)
-    trainer = Trainer(cfg, run_dir, corpus, model_fn, rs, resolved)
-    trainer.on_outer_step = on_outer_step
+    # run.storage_path a URI: a copy of the run directory there
+    mirror = Mirror(run_dir, cfg.run.storage_path, cfg.run.keep_checkpoints) if is_uri(cfg.run.storage_path) else None
+    trainer = Trainer(cfg, run_dir, corpus, model_fn, rs, resolved, mirror, on_outer_step)
     run = trainer.cfg  # the run's config: the user's with what it resolved (the user's is not changed)
     tracker = lock = None
     try:
@@ -382,8 +383,7 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
         tok_dir = run_dir / "tokenizer"
         if corpus.tokenizer is not None and not tok_dir.exists():
             corpus.tokenizer.save_pretrained(str(tok_dir))
-        if is_uri(run.run.storage_path):
-            trainer.mirror = Mirror(run_dir, run.run.storage_path, run.run.keep_checkpoints)
+        if trainer.mirror is not None:
             logger.info(f"mirroring to {trainer.mirror.uri} (resume anywhere with --resume {trainer.mirror.uri})")
     except BaseException:  # the caller only closes a lock it was given
         lock.close()
@@ -403,7 +403,7 @@ def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | No
         run_dir / "final",
         trainer.model_fn,
         trainer.fragments,
-        lambda out, dtype: trainer.sync.export_weights(trainer, out, dtype),
+        trainer.sync.export_weights,
     )
     return {
         "final_eval_loss": st.last_eval,

@@ -30,6 +30,7 @@ from typing import Any
 
 from ray_diloco.components.storage import write_text
 from ray_diloco.config import Config
+from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import ModelFn
 from ray_diloco.runtime.cluster import (
@@ -100,6 +101,8 @@ class Membership:
         cfg: the run config. corpus_refs: object refs of the train/val token arrays.
         vocab_size, model_fn: what a new worker needs to build the model.
         live: the replicas running now. next_id: the id the next new replica gets.
+        driver: the outer-optimiser driver actor (None: the DP baseline, no joiners).
+        schedule: the fragments' sync schedule joiners attach with (None with no driver).
     """
 
     def __init__(
@@ -110,6 +113,8 @@ class Membership:
         model_fn: ModelFn | None,
         live: list[Replica],
         next_id: int | None = None,
+        driver: Any = None,
+        schedule: SyncSchedule | None = None,
     ):
         self.cfg, self.corpus_refs, self.vocab_size, self.model_fn = cfg, corpus_refs, vocab_size, model_fn
         self.live = sorted(live, key=lambda r: r.index)
@@ -118,8 +123,7 @@ class Membership:
         self.target = cfg.diloco.max_replicas or cfg.diloco.replicas
         self.failures = 0
         self.slot_readers: dict[int, list[dict[str, Any] | None]] = {}
-        self.driver: Any = None  # set by the trainer with the schedule once the driver exists
-        self.schedule: Any = None
+        self.driver, self.schedule = driver, schedule
         self.events: list[dict[str, Any]] = []  # trainer-side events (the driver keeps its own)
 
     # -- state -----------------------------------------------------------------------------

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ray_diloco.config import Config, check_overlap
+from ray_diloco.core.fragments import Fragment
 from ray_diloco.core.schedules import SyncSchedule
+
+if TYPE_CHECKING:
+    from ray_diloco.runtime.cluster import Replica
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +48,12 @@ class SyncStrategy:
     #: Gradients are all-reduced every inner step (no outer step): what the simulator models.
     all_reduces_every_step: ClassVar[bool]
     driver: Any = None  # the outer-optimiser actor handle, when there is one
-    schedule: SyncSchedule | None = None  # when each fragment syncs, when there is an exchange
-    num_params: int = 0  # parameters of the model (set by attach): sizes the transfer allowances
+    schedule: SyncSchedule | None = None  # when each fragment syncs, when there is an exchange (set by plan)
+    num_params: int = 0  # parameters of the model (set by plan): sizes the transfer allowances
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.fragments: list[Fragment] = []  # the model's fragments (set by plan)
 
     # -- facts from the config (no Ray) -------------------------------------------------------
     @staticmethod
@@ -80,17 +85,19 @@ class SyncStrategy:
         """The start-up lines describing the run's shape."""
         raise NotImplementedError
 
-    def check_fragments(self, num_fragments: int) -> list[str]:
-        """Problems with the fragment count found once the model is built (ConfigError lines)."""
+    def plan(self, fragments: list[Fragment]) -> list[str]:
+        """The model's ``fragments``, known once the model is built (DiLoCo: the schedule); returns
+        the problems with them (ConfigError lines)."""
+        self.fragments, self.num_params = fragments, sum(f.numel for f in fragments)
         return []
 
     # -- life cycle ---------------------------------------------------------------------------
     def launch(self, members: list[tuple[int, int, int]] | None) -> None:
         """Before the replicas start (DiLoCo: the driver's process starts meanwhile)."""
 
-    def attach(self, trainer: Any, resume_state: dict[str, Any] | None) -> None:
-        """After the replicas started: the global parameters into every worker, the saved sync
-        state restored."""
+    def attach(self, replicas: list[Replica], resume_state: dict[str, Any] | None) -> None:
+        """After the replicas started and :meth:`plan`: the global parameters into every worker
+        of ``replicas``, the saved sync state restored."""
 
     def ping(self) -> Any | None:
         """An object ref that resolves while the sync side is alive (None: nothing to watch)."""
@@ -105,14 +112,17 @@ class SyncStrategy:
         inner steps ``[start, end)``."""
         raise NotImplementedError
 
-    def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
-        """Add the outer step's sync fields (update norms, membership events) to ``row``."""
+    def outer_fields(self, end: int) -> dict[str, Any]:
+        """The sync fields (update norms, bytes per fragment) of an outer step ending at inner step ``end``."""
+        return {}
 
-    def final_fields(self, trainer: Any, row: dict[str, Any]) -> None:
-        """Fields added last to an outer step's row."""
+    def take_events(self) -> list[dict[str, Any]]:
+        """Membership events the sync side recorded since the last call (timeouts, late, rejected)."""
+        return []
 
-    def settle(self, supervisor: Any) -> None:
-        """Wait until every sync sent so far is answered."""
+    def settle_calls(self, replicas: list[Replica]) -> dict[Any, Replica]:
+        """Calls (object ref -> replica) that return once every sync sent so far is answered."""
+        return {}
 
     def eval_globals(self) -> list[Any] | None:
         """Object refs of the global fragments for workers to evaluate (None: their own parameters)."""
@@ -129,14 +139,14 @@ class SyncStrategy:
         "bytes", "node"}`` or ``{"unseen": True, "node"}``, or None when there is no sync-side state."""
         return None
 
-    def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
+    def export_weights(self, out_dir: Path, dtype: Any) -> bool:
         """Have the process holding the global parameters write them as the exported model's
         safetensors into ``out_dir`` (torch ``dtype``); False when this strategy has none such
         or the files are not visible here (the job's process then writes them)."""
         return False
 
-    def global_params(self, trainer: Any) -> list[np.ndarray]:
-        """The global parameters, fp32 ``[numel_p]`` per fragment."""
+    def global_params(self, replicas: list[Replica]) -> list[np.ndarray]:
+        """The global parameters, fp32 ``[numel_p]`` per fragment (``replicas``: the live ones)."""
         raise NotImplementedError
 
     def state_hashes(self) -> dict[str, str]:
@@ -184,9 +194,13 @@ class DiLoCoSync(SyncStrategy):
             )
         return lines
 
-    def check_fragments(self, num_fragments: int) -> list[str]:
-        problems: list[str] = []
-        check_overlap(self.cfg.diloco.H, num_fragments, self.cfg.streaming.overlap_steps, problems)
+    def plan(self, fragments: list[Fragment]) -> list[str]:
+        c, problems = self.cfg, super().plan(fragments)
+        check_overlap(c.diloco.H, len(fragments), c.streaming.overlap_steps, problems)
+        if not problems:
+            self.schedule = SyncSchedule(
+                c.diloco.H, len(fragments), c.streaming.overlap_steps, c.run.steps, c.streaming.closing_round
+            )
         return problems
 
     def launch(self, members: list[tuple[int, int, int]] | None) -> None:
@@ -196,7 +210,7 @@ class DiLoCoSync(SyncStrategy):
         joins = {m: j for m, _, j in initial_members(self.cfg, members)}
         self.driver = OuterDriverActor.options(**driver_placement(self.cfg)).remote(None, self.cfg.to_dict(), joins)
 
-    def attach(self, trainer: Any, resume_state: dict[str, Any] | None) -> None:
+    def attach(self, replicas: list[Replica], resume_state: dict[str, Any] | None) -> None:
         """The global parameters start as rank 0's initialisation (identical in every worker),
         or the checkpoint's; every worker gets them and the schedule."""
         import ray
@@ -204,11 +218,7 @@ class DiLoCoSync(SyncStrategy):
         from ray_diloco.runtime.cluster import all_workers
 
         c, rs = self.cfg, resume_state
-        self.num_params = trainer.num_params
-        self.schedule = SyncSchedule(
-            c.diloco.H, trainer.num_fragments, c.streaming.overlap_steps, c.run.steps, c.streaming.closing_round
-        )
-        r0, units = trainer.replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
+        r0, units = replicas[0], c.exchange_units  # FSDP: each rank's rows of each fragment
         outer = rs["outer"] if rs is not None else None
         if outer is not None and "file" in outer:  # the checkpoint's outer.pt: read by the driver itself
             assert rs is not None  # outer came from it
@@ -223,15 +233,12 @@ class DiLoCoSync(SyncStrategy):
             initial = (
                 outer["global"]
                 if outer is not None
-                else [
-                    r0.workers[r].local_fragment.remote(p) for p in range(trainer.num_fragments) for r in range(units)
-                ]
+                else [r0.workers[r].local_fragment.remote(p) for p in range(len(self.fragments)) for r in range(units)]
             )
             ray.get(self.driver.init_global.remote(initial))
             if outer is not None:
                 ray.get(self.driver.load_state_dict.remote(outer))
-        trainer.members.driver, trainer.members.schedule = self.driver, self.schedule
-        workers = all_workers(trainer.replicas)
+        workers = all_workers(replicas)
         ray.get([w.attach.remote(self.driver, self.schedule) for w in workers])
         globals_ = ray.get(self.driver.global_refs.remote())
         versions = ray.get(self.driver.global_versions.remote())
@@ -252,29 +259,23 @@ class DiLoCoSync(SyncStrategy):
         senders = metrics if self.cfg.exchange_units > 1 else rank0
         return senders, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
 
-    def outer_metrics(self, trainer: Any, row: dict[str, Any], metrics: list[dict[str, Any]], end: int) -> None:
+    def outer_fields(self, end: int) -> dict[str, Any]:
         """Rounds merged by the end of this outer step (apply step = min(send + tau, T)): update
-        norm, per-replica pseudo-gradient norms, bytes per fragment; then membership events."""
+        norm, per-replica pseudo-gradient norms, bytes per fragment."""
         import ray
 
-        trainer.members.note_positions(metrics)
-        assert self.schedule is not None  # set by start
+        assert self.schedule is not None  # set by plan
         merged_by = end if end >= self.cfg.run.steps else end - self.schedule.overlap
         rounds = ray.get(self.driver.take_stats.remote(merged_by))
-        if rounds:
-            row.update(round_fields(rounds, self.cfg.exchange_units))
-        events = trainer.members.take_events() + ray.get(self.driver.take_events.remote())
-        trainer.supervisor.record_events(events, trainer.state, row)
-        row["replicas_target"] = trainer.members.target
-        row["membership"] = dict(trainer.state.membership)
-        if events:
-            row["events"] = events
+        return round_fields(rounds, self.cfg.exchange_units) if rounds else {}
 
-    def final_fields(self, trainer: Any, row: dict[str, Any]) -> None:
-        row["replicas_live"] = len(trainer.replicas)  # after this step's deaths
+    def take_events(self) -> list[dict[str, Any]]:
+        import ray
 
-    def settle(self, supervisor: Any) -> None:
-        supervisor.gather({w.settle.remote(): r for r in list(supervisor.replicas) for w in r.workers})
+        return ray.get(self.driver.take_events.remote())
+
+    def settle_calls(self, replicas: list[Replica]) -> dict[Any, Replica]:
+        return {w.settle.remote(): r for r in replicas for w in r.workers}
 
     def eval_globals(self) -> list[Any]:
         import ray
@@ -291,7 +292,7 @@ class DiLoCoSync(SyncStrategy):
 
         return ray.get(self.driver.save_state.remote(str(path), token, upload))
 
-    def export_weights(self, trainer: Any, out_dir: Path, dtype: Any) -> bool:
+    def export_weights(self, out_dir: Path, dtype: Any) -> bool:
         import ray
 
         from ray_diloco.components.checkpoint import MARKER, place_marker, visible_file
@@ -300,9 +301,7 @@ class DiLoCoSync(SyncStrategy):
         token = place_marker(out_dir)
         try:
             files = ray.get(
-                self.driver.export_weights.remote(
-                    str(out_dir), trainer.fragments, self.cfg.exchange_units, dtype, token
-                )
+                self.driver.export_weights.remote(str(out_dir), self.fragments, self.cfg.exchange_units, dtype, token)
             )
         finally:
             (out_dir / MARKER).unlink(missing_ok=True)
@@ -314,12 +313,12 @@ class DiLoCoSync(SyncStrategy):
             )
         return seen
 
-    def global_params(self, trainer: Any) -> list[np.ndarray]:
+    def global_params(self, replicas: list[Replica]) -> list[np.ndarray]:
         import ray
 
         from ray_diloco.core.shards import join_units
 
-        return join_units(ray.get(self.driver.global_params.remote()), trainer.fragments, self.cfg.exchange_units)
+        return join_units(ray.get(self.driver.global_params.remote()), self.fragments, self.cfg.exchange_units)
 
     def state_hashes(self) -> dict[str, str]:
         import ray
@@ -368,11 +367,11 @@ class DataParallelSync(SyncStrategy):
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
         return metrics, (end - start) * self.cfg.inner.global_batch * self.cfg.data.seq_len  # one group, one batch
 
-    def global_params(self, trainer: Any) -> list[np.ndarray]:
+    def global_params(self, replicas: list[Replica]) -> list[np.ndarray]:
         import ray
 
-        w0 = trainer.replicas[0].rank0
-        return ray.get([w0.local_fragment.remote(p) for p in range(trainer.num_fragments)])
+        w0 = replicas[0].rank0
+        return ray.get([w0.local_fragment.remote(p) for p in range(len(self.fragments))])
 
 
 def round_fields(rounds: list[dict[str, Any]], units: int = 1) -> dict[str, Any]:

@@ -47,6 +47,10 @@ class Supervisor:
         self.cfg, self.run_dir, self.sync, self.members = cfg, run_dir, sync, members
         self.slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
 
+    def round_done(self, wall: float) -> None:
+        """An outer step's training took ``wall`` seconds (the unresponsive-replica limit grows with the slowest)."""
+        self.slowest_round = max(self.slowest_round or 0.0, wall)
+
     @property
     def replicas(self) -> list[Replica]:
         """The live replicas (the same list object as ``members.live``)."""
@@ -142,7 +146,7 @@ class Supervisor:
     def settle(self) -> None:
         """Wait until every sync sent so far is answered (before eval, checkpoint or export); a
         replica that fails meanwhile is removed (elastic) or raises."""
-        self.sync.settle(self)
+        self.gather(self.sync.settle_calls(list(self.replicas)))
 
     # -- failures and membership -------------------------------------------------------------
     def lose(self, r: Replica, reason: str) -> None:
@@ -176,19 +180,25 @@ class Supervisor:
             time.sleep(0.2)
             m.admit(m.poll(), step, self.settle)
 
-    def record_events(self, events: list[dict[str, Any]], state: Any, row: dict[str, Any]) -> None:
-        """Count membership events into ``state.membership`` and log them (failed sync rounds:
-        one line per outer step ``row`` reports)."""
+    def membership_fields(self, k: int, metrics: list[dict[str, Any]], counts: dict[str, int]) -> dict[str, Any]:
+        """(Elastic) Outer step ``k``'s membership: each slot's data position noted from the round's
+        worker ``metrics``; this side's and the sync side's events counted into ``counts`` (event
+        kind -> count, the run's) and logged (failed sync rounds: one line per outer step).
+        Returns the row's ``replicas_target``, ``membership`` (the counts) and ``events``."""
+        self.members.note_positions(metrics)
+        events = self.members.take_events() + self.sync.take_events()
         failed = [ev for ev in events if ev["event"] == "round_failed"]
         for ev in events:
-            state.membership[ev["event"]] = state.membership.get(ev["event"], 0) + 1
+            counts[ev["event"]] = counts.get(ev["event"], 0) + 1
             if ev["event"] not in ("launch", "round_failed"):
                 logger.info(f"membership: {describe_event(ev)}")
         if failed:  # one line per outer step: with a small H these come every step
             logger.warning(
-                f"membership: {len(failed)} sync round(s) failed in outer step {row['outer_step']} (the last: "
+                f"membership: {len(failed)} sync round(s) failed in outer step {k} (the last: "
                 f"{describe_event(failed[-1])})"
             )
+        row: dict[str, Any] = {"replicas_target": self.members.target, "membership": dict(counts)}
+        return {**row, "events": events} if events else row
 
 
 class _Watchdog:

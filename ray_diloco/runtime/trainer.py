@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,50 +34,19 @@ from ray_diloco.components.export import check_sizes
 from ray_diloco.components.mirror import Mirror
 from ray_diloco.components.tracking import Tracker
 from ray_diloco.config import Config
-from ray_diloco.core.fragments import fragment_plan
+from ray_diloco.core.fragments import Fragment, fragment_plan
 from ray_diloco.core.schedules import is_due, outer_step_bounds
 from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import ModelFn
-from ray_diloco.runtime.checkpointing import restore_workers, write_checkpoint
+from ray_diloco.runtime.checkpointing import Checkpointer
 from ray_diloco.runtime.cluster import Replica, all_workers, check_resources, start_replicas, stop_replicas
 from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
+from ray_diloco.runtime.run_state import RunState
 from ray_diloco.runtime.strategy import SyncStrategy, make_strategy
 from ray_diloco.runtime.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunState:
-    """Counters carried across outer steps and into checkpoints."""
-
-    outer_step: int = 0
-    inner_step: int = 0
-    tokens: int = 0
-    bytes_sent: int = 0  # replicas -> outer optimiser, all replicas (serialised messages)
-    bytes_received: int = 0  # outer optimiser -> replicas, all replicas
-    peak_sync_bytes: int = 0  # largest up + down of one fragment sync of one replica
-    sync_events: int = 0  # fragment syncs, summed over replicas
-    inner_compute_s: float = 0.0  # mean over workers
-    train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
-    sync_wait_s: float = 0.0  # seconds a worker's training thread was blocked on the link (mean over workers)
-    membership: dict[str, int] = field(default_factory=dict)  # event kind -> count (death, join, rejected, ...)
-    last_eval: float | None = None
-    evals: list[tuple[int, float]] = field(default_factory=list)
-
-    def add_round(self, k: int, end: int, tokens: int, link: list[dict[str, Any]]) -> tuple[int, int]:
-        """Count outer step ``k`` (ending at inner step ``end``): its tokens and the bytes of
-        ``link`` (the metrics of the ranks on the slow link). Returns ``(sent, received)``."""
-        sent = sum(mtr["link"]["bytes_up"] for mtr in link)
-        received = sum(mtr["link"]["bytes_down"] for mtr in link)
-        self.outer_step, self.inner_step = k, end
-        self.tokens += tokens
-        self.bytes_sent += sent
-        self.bytes_received += received
-        self.peak_sync_bytes = max([self.peak_sync_bytes] + [mtr["link"].get("peak_event_bytes", 0) for mtr in link])
-        self.sync_events += sum(mtr["link"].get("events", 0) for mtr in link)
-        return sent, received
 
 
 class Trainer:
@@ -89,6 +58,8 @@ class Trainer:
         corpus: tokenised corpus. model_fn: optional model builder (see ``models.transformer.ModelFn``).
         resume_state: a loaded checkpoint to continue from, or None.
         resolved: what the launcher resolved (the token budget); default: ``run.steps`` as given.
+        mirror: the copy of the run directory in ``run.storage_path`` (a URI), or None.
+        on_outer_step: called with each outer step's metrics row (Ray Tune reports), or None.
     """
 
     def __init__(
@@ -99,6 +70,8 @@ class Trainer:
         model_fn: ModelFn | None = None,
         resume_state: dict[str, Any] | None = None,
         resolved: ResolvedRun | None = None,
+        mirror: Mirror | None = None,
+        on_outer_step: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.user_cfg = cfg
         self.resolved = resolved or ResolvedRun.resolve(cfg)
@@ -108,11 +81,12 @@ class Trainer:
         self.state = RunState()
         self.replicas: list[Replica] = []
         self.sync: SyncStrategy = make_strategy(self.cfg)
-        self.num_fragments = 1
+        self.mirror, self.on_outer_step = mirror, on_outer_step
+        self.fragments: list[Fragment] = []  # the model's (set by start)
+        self.num_params = self.num_tensors = 0
         self.members: Membership | None = None
         self.supervisor: Supervisor | None = None
-        self.mirror: Mirror | None = None  # run.storage_path is a URI: copy of the run directory there
-        self.on_outer_step: Any = None  # called with each outer step's metrics row (Ray Tune reports)
+        self.checkpointer: Checkpointer | None = None
 
     @property
     def driver(self) -> Any:
@@ -123,6 +97,11 @@ class Trainer:
     def schedule(self) -> Any:
         """The fragments' :class:`~ray_diloco.core.schedules.SyncSchedule` (None for the DP baseline)."""
         return self.sync.schedule
+
+    @property
+    def num_fragments(self) -> int:
+        """How many fragments the model is exchanged in (1: plain DiLoCo)."""
+        return len(self.fragments)
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,16 +136,20 @@ class Trainer:
             self.sync.layout(self.cfg, members),
             self.sync.allreduce_emulation(self.cfg),
         )
-        self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas)
-        self.members.load_state_dict(saved)
-        self.replicas = self.members.live  # the same list: it changes as replicas die and join
-        self.supervisor = Supervisor(self.cfg, self.run_dir, self.sync, self.members)
         self._plan_fragments()
+        m = self.members = Membership(self.cfg, refs, self.corpus.vocab_size, self.model_fn, self.replicas,
+                                      driver=self.sync.driver, schedule=self.sync.schedule)  # fmt: skip
+        m.load_state_dict(saved)
+        self.replicas = m.live  # the same list: it changes as replicas die and join
+        self._log_header(m.target)
+        self.supervisor = Supervisor(self.cfg, self.run_dir, self.sync, m)
+        self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.supervisor, self.sync, m, self.mirror,
+                                         self.corpus.fingerprint, custom_model=self.model_fn is not None)  # fmt: skip
         if rs is not None:
             check_sizes(self.fragments, rs["sizes"] if "sizes" in rs else global_params(rs))
-        self.sync.attach(self, rs)
+        self.sync.attach(self.replicas, rs)
         if rs is not None:  # after the global parameters: a worker's local ones may differ from them
-            self._restore_workers(rs)
+            self.checkpointer.restore_workers(rs)
             cnt = rs["counters"]
             self.state = RunState(
                 **{k: cnt[k] for k in RunState.__dataclass_fields__ if k in cnt and k != "evals"},
@@ -174,38 +157,35 @@ class Trainer:
             )
 
     def _plan_fragments(self) -> None:
-        """The fragments of the model the workers built, checked against the schedule, and the
-        start-up lines describing the run."""
+        """The fragments of the model the workers built, checked against the schedule (the
+        strategy's :meth:`~ray_diloco.runtime.strategy.SyncStrategy.plan`)."""
         import ray
 
-        c = self.cfg
         specs = ray.get(self.replicas[0].rank0.param_specs.remote())
         try:
-            self.fragments = fragment_plan(c, specs)
+            self.fragments = fragment_plan(self.cfg, specs)
         except ValueError as e:
             raise ConfigError([str(e)]) from None
-        self.num_fragments = len(self.fragments)
-        problems = self.sync.check_fragments(self.num_fragments)
+        problems = self.sync.plan(self.fragments)
         if problems:
             raise ConfigError(problems)
-        self.num_params = sum(s.numel for s in specs)
+        self.num_params, self.num_tensors = sum(s.numel for s in specs), len(specs)
+
+    def _log_header(self, target: int) -> None:
+        """The start-up lines describing the run (``target``: the replicas it aims at)."""
+        c = self.cfg
         tokens = c.run.steps * c.inner.global_batch * c.data.seq_len
         logger.info(
             f"model: {self.num_params:,} parameters ({self.num_params / 1e6:.2f}M), "
-            f"{len(specs)} tensors, {self.num_fragments} fragment(s)"
+            f"{self.num_tensors} tensors, {self.num_fragments} fragment(s)"
         )
-        assert self.members is not None  # set by start
-        shape, *more = self.sync.header(self.members.target)
+        shape, *more = self.sync.header(target)
         logger.info(
             f"{c.algorithm}: {shape}, global batch {c.inner.global_batch} x {c.data.seq_len} tokens, "
             f"{tokens / 1e6:.2f}M tokens"
         )
         for line in more:
             logger.info(line)
-
-    def _restore_workers(self, rs: dict[str, Any]) -> None:
-        """Each worker's state from the checkpoint ``rs`` (:func:`~ray_diloco.runtime.checkpointing.restore_workers`)."""
-        restore_workers(self, rs)
 
     # -- one outer step --------------------------------------------------------------------
     def outer_step(self, k: int) -> dict[str, Any]:
@@ -227,14 +207,16 @@ class Trainer:
             metrics = self.supervisor.gather(calls, straggler_s=self.sync.straggler_s())
             wall = time.perf_counter() - t0
             if metrics:
-                self.supervisor.slowest_round = max(self.supervisor.slowest_round or 0.0, wall)
+                self.supervisor.round_done(wall)
                 break
             logger.warning(f"outer step {k}: every replica failed; running it again once replacements join")
         row: dict[str, Any] = {"outer_step": k, "inner_step": end}
         link, n_tokens = self.sync.round_traffic(metrics, start, end)
         sent, received = self.state.add_round(k, end, n_tokens, link)
-        self.sync.outer_metrics(self, row, metrics, end)
-        row.update(self._round_fields(metrics, wall, n_tokens, sent, received))
+        row.update(self.sync.outer_fields(end))
+        if self.sync.elastic:
+            row.update(self.supervisor.membership_fields(k, metrics, self.state.membership))
+        row.update(self.state.round_fields(metrics, wall, n_tokens, sent, received))
         if cfg.run.log_hashes:
             row["data_digest"] = [mtr["data_digest"] for mtr in metrics]
             self.settle()
@@ -246,41 +228,9 @@ class Trainer:
             row["worker_params_sha256"] = self.supervisor.gather(
                 {w.params_hash.remote(): r for r in self.replicas for w in r.workers}
             )
-        self.sync.final_fields(self, row)
+        if self.sync.elastic:
+            row["replicas_live"] = len(self.replicas)  # after this step's deaths
         return row
-
-    def _round_fields(
-        self, metrics: list[dict[str, Any]], wall: float, n_tokens: int, sent: int, received: int
-    ) -> dict[str, Any]:
-        """Loss, lr, throughput, time split and bytes of one outer step (and the running totals)."""
-        st = self.state
-        by_replica: dict[int, dict[str, Any]] = {}
-        for mtr in metrics:
-            by_replica.setdefault(mtr["replica"], mtr)
-        loss_ids = sorted(by_replica)
-        losses = [by_replica[m]["train_loss"] for m in loss_ids]
-        compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
-        st.inner_compute_s += compute_s
-        st.train_wall_s += wall
-        sync_wait = float(np.mean([mtr["sync_wait_s"] for mtr in metrics]))  # part of outer_wait_s
-        st.sync_wait_s += sync_wait
-        return {
-            "train_loss": float(np.mean(losses)),
-            "train_loss_replica": {f"replica_{m}": v for m, v in zip(loss_ids, losses)},
-            "inner_lr": metrics[0]["inner_lr"],
-            "tokens": st.tokens,
-            "tokens_per_s": n_tokens / wall if wall > 0 else None,
-            "inner_compute_s": compute_s,
-            "sync_wait_s": sync_wait,
-            "outer_wait_s": max(0.0, wall - compute_s),
-            "compute_utilisation": compute_s / wall if wall > 0 else None,
-            "round_s": wall,
-            "bytes_sent": sent,
-            "bytes_received": received,
-            "bytes_sent_total": st.bytes_sent,
-            "bytes_received_total": st.bytes_received,
-            "peak_sync_bytes": st.peak_sync_bytes,
-        }
 
     def settle(self) -> None:
         """Wait until every sync sent so far is answered by the driver (before eval, checkpoint
@@ -309,13 +259,14 @@ class Trainer:
 
     def checkpoint(self) -> Path:
         """Write a checkpoint atomically, each process its own state
-        (:func:`~ray_diloco.runtime.checkpointing.write_checkpoint`)."""
-        return write_checkpoint(self)
+        (:meth:`~ray_diloco.runtime.checkpointing.Checkpointer.write`)."""
+        assert self.checkpointer is not None  # set by start
+        return self.checkpointer.write(self.state, self.fragments)
 
     def global_params(self) -> list[np.ndarray]:
         """The global parameters, fp32 ``[numel_p]`` per fragment (DP: rank 0's parameters)."""
         self.settle()
-        return self.sync.global_params(self)
+        return self.sync.global_params(self.replicas)
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, tracker: Tracker) -> dict[str, Any]:
@@ -375,4 +326,4 @@ class Trainer:
         self.replicas = []
 
 
-__all__ = ["Trainer", "RunState"]
+__all__ = ["Trainer"]

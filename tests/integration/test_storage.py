@@ -165,9 +165,8 @@ def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, t
 
     store = f"file://{tmp_path / 'store'}"
     cfg = load_config(tiny_overrides(tmp_path, run__steps=10, run__name="up", diloco__cpus_per_worker=0.5))
-    t = start_trainer(cfg, corpus, torch_lm)
+    t = start_trainer(cfg, corpus, torch_lm, mirror_to=store)
     try:
-        t.mirror = Mirror(t.run_dir, store)
         t.outer_step(1)
         t.checkpoint()
         remote = tmp_path / "store" / "up" / "checkpoints" / "step_000001"
@@ -182,8 +181,10 @@ def test_checkpoint_writers_upload_their_own_files_to_the_storage(ray_session, t
         # a storage the writers cannot reach (a file:// path under a regular file): the mirror uploads
         blocked = tmp_path / "blocked"
         blocked.write_text("a file, not a directory")
-        t.mirror = Mirror(t.run_dir, f"file://{tmp_path / 'store2'}")
-        t.mirror.checkpoint_uri = lambda name: f"file://{blocked}/{name}"  # where the writers are sent
+        # the run's checkpointer given another mirror, whose writers are sent where they cannot write
+        assert t.checkpointer is not None and t.checkpointer.mirror is t.mirror
+        t.checkpointer.mirror = t.mirror = Mirror(t.run_dir, f"file://{tmp_path / 'store2'}")
+        t.mirror.checkpoint_uri = lambda name: f"file://{blocked}/{name}"
         caplog.clear()
         t.outer_step(2)
         t.checkpoint()

@@ -124,3 +124,32 @@ def test_load_config_imports_neither_torch_nor_ray():
             "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+#: The objects a run is made of (issue 28): passed typed, built with what they need.
+COLLABORATORS = {"trainer", "supervisor", "members", "membership", "sync", "strategy", "checkpointer", "mirror"}
+
+
+def test_no_collaborator_is_passed_as_any_or_patched_from_outside():
+    """No parameter named like one of a run's collaborators is typed ``Any`` (14 were in
+    strategy and checkpointing), and no code outside a collaborator assigns to its attributes
+    (``trainer.mirror = ...``, ``trainer.members.driver = ...`` were)."""
+    found = []
+    for path, _, tree in _modules():
+        where = path.relative_to(ROOT)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in node.args.args + node.args.kwonlyargs:
+                    if a.arg in COLLABORATORS and (a.annotation is None or ast.unparse(a.annotation) == "Any"):
+                        found.append(f"{where}:{node.lineno} {node.name}({a.arg}: Any)")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            for tgt in targets:
+                base = tgt
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                chain = ast.unparse(tgt).split(".")
+                if isinstance(base, ast.Name) and len(chain) > 2 - (base.id != "self") and (
+                    base.id in COLLABORATORS or (base.id == "self" and chain[1] in COLLABORATORS)
+                ):
+                    found.append(f"{where}:{node.lineno} {ast.unparse(tgt)} = ...")
+    assert not found, "\n".join(found)

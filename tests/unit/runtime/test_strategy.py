@@ -9,6 +9,7 @@ import math
 import pytest
 
 from ray_diloco.config import load_config
+from ray_diloco.core.fragments import ParamSpec, plan_fragments
 from ray_diloco.runtime.resolved import ResolvedRun
 from ray_diloco.runtime.strategy import DataParallelSync, DiLoCoSync, make_strategy, round_fields, strategy_class
 
@@ -65,9 +66,13 @@ def test_headers_and_fragment_checks():
     cfg = load_config(overrides=["diloco.min_replicas=2", "streaming.overlap_steps=20"])
     lines = DiLoCoSync(cfg).header(target=2)
     assert lines[0].startswith("M=2 replicas x 1 worker(s), H=50") and lines[1].startswith("elastic: quorum 2")
-    assert DiLoCoSync(cfg).check_fragments(3) and not DiLoCoSync(cfg).check_fragments(1)  # 20 x 3 >= 50
+    frags = plan_fragments([ParamSpec(f"layers.{i}.w", (10,)) for i in range(9)], 9)
+    assert DiLoCoSync(cfg).plan(frags[:3]) and not DiLoCoSync(cfg).plan(frags[:1])  # 20 x 3 >= 50
+    s = DiLoCoSync(cfg)
+    s.plan(frags[:2])  # the plan sets the schedule and the size the transfer allowances use
+    assert s.schedule is not None and s.schedule.num_fragments == 2 and s.num_params == 20
     dp = load_config(overrides=["algorithm=dp"])
-    assert DataParallelSync(dp).header(2)[0].startswith("DDP over 2 worker(s)") and not DataParallelSync(dp).check_fragments(9)
+    assert DataParallelSync(dp).header(2)[0].startswith("DDP over 2 worker(s)") and not DataParallelSync(dp).plan(frags)
 
 
 def test_a_resolved_run_never_changes_the_users_config():
