@@ -99,7 +99,7 @@ def _add_prepare_command(sub: Any) -> None:
         "sources",
         nargs="*",
         metavar="SOURCE",
-        help="files, directories or globs, local or s3:// / gs://: .txt/.md, .jsonl/.json or .parquet",
+        help="files, directories or globs, local or s3:// / gs://: .txt/.md/.text, .jsonl/.json, .parquet or .csv",
     )
     p.add_argument("--out", required=True, metavar="DIR_OR_URI", help="the store's directory or URI")
     p.add_argument(

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,10 @@ from ray_diloco.log import error_line
 logger = logging.getLogger(__name__)
 
 BUNDLED_CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
-_BUILDERS = {
+#: The file types a corpus is read from, by suffix (``data.path`` and ``ray-diloco prepare`` alike):
+#: ``text`` (a document per file with ``data.path``, a row per line with ``prepare``), ``json``
+#: (JSON lines), ``parquet``, ``csv`` (rows; the text in ``text_field``).
+FILE_TYPES = {
     ".txt": "text",
     ".text": "text",
     ".md": "text",
@@ -42,6 +46,20 @@ _BUILDERS = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
+
+
+def file_type(path: str, field: str) -> str:
+    """The :data:`FILE_TYPES` format of ``path`` (by its suffix, any case).
+
+    Raises:
+        DataError: naming ``field`` and the path: an unsupported suffix, with the allowed ones."""
+    kind = FILE_TYPES.get(posixpath.splitext(str(path))[1].lower())
+    if kind is None:
+        raise DataError(
+            f"{field} = {str(path)!r}: unsupported file type {posixpath.splitext(str(path))[1]!r} "
+            f"(allowed: {', '.join(sorted(FILE_TYPES))})"
+        )
+    return kind
 
 
 @dataclass
@@ -85,11 +103,7 @@ def source_file(cfg: DataConfig) -> Path | None:
     path = BUNDLED_CORPUS if cfg.path is None else Path(cfg.path).expanduser()
     if not path.is_file():
         raise DataError(f"data.path = {str(path)!r}: file not found")
-    if path.suffix.lower() not in _BUILDERS:
-        raise DataError(
-            f"data.path = {str(path)!r}: unsupported file type {path.suffix!r} "
-            f"(allowed: {', '.join(sorted(_BUILDERS))})"
-        )
+    file_type(str(path), "data.path")
     return path
 
 
@@ -105,7 +119,7 @@ def load_texts(cfg: DataConfig) -> list[str]:
     path = source_file(cfg)
     try:
         if path is not None:
-            builder = _BUILDERS[path.suffix.lower()]
+            builder = file_type(str(path), "data.path")
             kwargs = {"sample_by": "document"} if builder == "text" else {}
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
             field = "text" if builder == "text" else cfg.text_field
@@ -353,7 +367,7 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str
     recipe = {
         "version": CACHE_VERSION,
         "file": file_hash,
-        "format": _BUILDERS[path.suffix.lower()],
+        "format": file_type(str(path), "data.path"),
         "text_field": cfg.text_field,
         "max_documents": cfg.max_documents,
         "val_fraction": cfg.val_fraction,

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.address import check_reachable
+from ray_diloco.components.data import file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
 from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
 
-FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 #: Text read to build a ``char`` vocabulary or train a ``bpe`` tokenizer (a bounded sample), bytes.
 SAMPLE_BYTES = 32 << 20
 #: Cap of Ray Data's object store use during a prepare, bytes.
@@ -138,10 +138,7 @@ def resolve_sources(sources: list[str]) -> tuple[Any, list[str], list[int], str]
         files.update({i.path: i.size for i in infos})
     kinds: dict[str, str] = {}
     for p in files:
-        kind = FORMATS.get(posixpath.splitext(p)[1].lower())
-        if kind is None:
-            raise DataError(f"SOURCE file {p!r}: unsupported type (allowed: {', '.join(sorted(FORMATS))})")
-        kinds.setdefault(kind, p)
+        kinds.setdefault(file_type(p, "SOURCE file"), p)
     if len(kinds) > 1:
         raise DataError(
             f"SOURCE: mixes file types ({', '.join(f'{k}: {v}' for k, v in kinds.items())}); "
@@ -163,7 +160,7 @@ def _read(fs: Any, paths: list[str], kind: str, opts: PrepareOptions):
         return ray.data.read_text(
             paths, filesystem=fs, drop_empty_lines=False, include_paths=True, num_cpus=READ_CPUS, concurrency=readers
         )
-    read = ray.data.read_json if kind == "json" else ray.data.read_parquet
+    read = {"json": ray.data.read_json, "parquet": ray.data.read_parquet, "csv": ray.data.read_csv}[kind]
     return read(
         paths,
         filesystem=fs,

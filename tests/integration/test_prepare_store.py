@@ -58,6 +58,16 @@ def test_jsonl_val_split_is_by_hash_of_the_document(ray_session, tmp_path):
     with pytest.raises(DataError, match=r"--text-field 'text': not a column of the source \(columns: body, n\)"):
         prepare_store(PrepareOptions(sources=[str(src)], out=str(tmp_path / "s2"), tokenizer="char", progress=False))
     assert not (tmp_path / "s2" / "manifest.json").exists()
+    # the same documents as CSV (a file type data.path reads too): the same split, the same tokens
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    pacsv.write_csv(pa.table({"body": docs, "n": list(range(400))}), str(tmp_path / "docs.csv"))
+    prepare_store(PrepareOptions(sources=[str(tmp_path / "docs.csv")], out=str(tmp_path / "c"), tokenizer="char",
+                                 text_field="body", val_fraction=0.2, shard_tokens=4096, actors=2, progress=False))
+    csv_store = TokenStore(str(tmp_path / "c"))
+    assert np.array_equal(csv_store.split("val").to_array(), val)
+    assert np.array_equal(csv_store.split("train").to_array(), st.split("train").to_array())
 
 
 def test_a_rowless_first_file_does_not_stop_a_named_tokenizer(ray_session, tmp_path):
