@@ -165,20 +165,30 @@ def load_texts(cfg: DataConfig) -> list[str]:
 # tokenizers
 
 
-def char_tokenizer(texts: list[str]):
-    """Character-level ``PreTrainedTokenizerFast`` (``tokenizers`` WordLevel over single chars)."""
+#: The end-of-document token of the tokenizers built here (``bpe``; ``char`` with specials).
+EOS = "<|endoftext|>"
+
+
+def char_tokenizer(texts: list[str], specials: bool = False):
+    """Character-level ``PreTrainedTokenizerFast`` (``tokenizers`` WordLevel over single chars):
+    the characters of ``texts``, sorted; with ``specials`` also ``<unk>`` for any other character
+    and an :data:`EOS` after them (``prepare``'s, whose sample may miss characters), without them
+    the plain vocabulary of a ``data.path`` run (its ids unchanged)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(set().union(*map(set, texts)))
-    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(chars)}, unk_token=None))
+    chars = sorted(set().union(*map(set, texts)) if texts else set())
+    vocab = {c: i for i, c in enumerate([*chars, "<unk>", EOS] if specials else chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>" if specials else None))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if specials:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def bpe_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE trained on ``texts`` with ``tokenizers``; EOS ``<|endoftext|>``."""
+    """Byte-level BPE trained on ``texts`` with ``tokenizers``; :data:`EOS` ``<|endoftext|>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -187,12 +197,12 @@ def bpe_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
+        special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
 
 def build_tokenizer(cfg: DataConfig, texts: list[str]):

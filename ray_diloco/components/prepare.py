@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.address import check_reachable
-from ray_diloco.components.data import file_type
+from ray_diloco.components.data import EOS, char_tokenizer, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import ClusterError, DataError
 from ray_diloco.log import error_line
@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 SAMPLE_BYTES = 32 << 20
 #: Cap of Ray Data's object store use during a prepare, bytes.
 OBJECT_STORE_BYTES = 512 << 20
-EOS = "<|endoftext|>"
 #: CPUs reserved by a read task (a fraction: reads must be scheduled beside the tokenizer actors).
 READ_CPUS = 0.25
 #: Read tasks at a time per 8 CPUs of the cluster, at least 2 (each holds one input file or Parquet
@@ -238,14 +237,7 @@ def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
     from ray_diloco.config import DataConfig
 
     if name == "char":
-        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-        chars = sorted(set().union(*map(set, sample)) if sample else set())
-        vocab = {c: i for i, c in enumerate([*chars, "<unk>", EOS])}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-        tok.decoder = decoders.Fuse()
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
+        return char_tokenizer(sample, specials=True)
     if name == "bpe":
         if not sample:
             raise DataError("prepare: no text in the source to train the BPE tokenizer on")
