@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_diloco.components.token_store import TokenSplit
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 from ray_diloco.log import error_line
@@ -62,14 +63,26 @@ def file_type(path: str, field: str) -> str:
     return kind
 
 
+#: One split of a corpus: an int32 array ``[n_tokens]`` (tokenised in this process) or a token
+#: store's :class:`~ray_diloco.components.token_store.TokenSplit` (same ``len`` and slicing).
+Split = np.ndarray | TokenSplit
+
+
+def window_order(tokens: Split) -> str:
+    """The order a :class:`ShardReader` reads ``tokens``' windows in: a store's split says it (its
+    manifest's ``order``: ``feistel`` for a prepared store, ``legacy`` for the data cache's); an
+    array tokenised in this process is read in the ``legacy`` order."""
+    return tokens.order if isinstance(tokens, TokenSplit) else "legacy"
+
+
 @dataclass
 class Corpus:
     """Tokenised corpus. ``train``/``val``: token ids, shape ``[n_tokens]``: int32 arrays, or
     :class:`~ray_diloco.components.token_store.TokenSplit` s (a prepared store's, or a cached
     local file's loaded into memory)."""
 
-    train: Any  # np.ndarray, or a token_store.TokenSplit (same len and slicing)
-    val: Any
+    train: Split
+    val: Split
     vocab_size: int
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     store_id: str | None = None
@@ -83,7 +96,7 @@ class Corpus:
             return f"store:{self.store_id}"
         h = hashlib.sha256()
         for split in (self.train, self.val):
-            h.update((split.to_array() if hasattr(split, "to_array") else np.asarray(split, np.int32)).tobytes())
+            h.update((split.to_array() if isinstance(split, TokenSplit) else np.asarray(split, np.int32)).tobytes())
         return h.hexdigest()[:16]
 
 
@@ -254,13 +267,13 @@ def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
 EVAL_TOKENS = 1 << 20
 
 
-def eval_split(val: Any, eval_tokens: int | None) -> Any:
+def eval_split(val: Split, eval_tokens: int | None) -> Split:
     """The validation tokens an evaluation reads: the first ``eval_tokens`` (+1, the last window's
     target) of ``val`` (default :data:`EVAL_TOKENS`); ``val`` itself when it is no longer."""
     keep = (eval_tokens if eval_tokens is not None else EVAL_TOKENS) + 1
     if len(val) <= keep:
         return val
-    return val.head(keep) if hasattr(val, "head") else val[:keep]
+    return val.head(keep) if isinstance(val, TokenSplit) else val[:keep]
 
 
 def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
@@ -440,7 +453,8 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
             "order": "legacy",
             "source": {"path": str(path), "cache_key": key},
         }
-        write_store(str(tmp), corpus.tokenizer, corpus.train, corpus.val, meta, vocab_size=corpus.vocab_size)
+        train, val = np.asarray(corpus.train), np.asarray(corpus.val)  # tokenised here: arrays
+        write_store(str(tmp), corpus.tokenizer, train, val, meta, vocab_size=corpus.vocab_size)
         publish_dir(tmp, entry, marker="manifest.json")  # another run's finished entry may win
         tmp = None
         return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
@@ -504,8 +518,7 @@ def epoch_permutation(seed: int, epoch: int, n_windows: int) -> np.ndarray:
 class ShardReader:
     """Reads batches of packed windows for one shard (one (replica, rank) pair).
 
-    ``tokens`` is a 1-D token array or a :class:`~ray_diloco.components.token_store.TokenSplit`
-    (anything with ``len`` and contiguous slices). Its ``order`` attribute picks the window order:
+    ``tokens`` is a :data:`Split`; :func:`window_order` of it picks the window order:
     ``legacy`` (default for arrays: the epoch's ``numpy`` permutation of every window, shard ``s``
     reads ``perm[s::S]``) or ``feistel`` (prepared stores: window ``perm(pos * S + s)`` of a keyed
     Feistel permutation computed per index, nothing of the corpus's size is built). Both give
@@ -519,7 +532,7 @@ class ShardReader:
     #: Batches whose windows are prefetched ahead of the cursor (remote stores).
     PREFETCH_BATCHES = 4
 
-    def __init__(self, tokens: Any, seq_len: int, shard: int, num_shards: int, seed: int):
+    def __init__(self, tokens: Split, seq_len: int, shard: int, num_shards: int, seed: int):
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in [0, {num_shards})")
         self.tokens = tokens
@@ -527,7 +540,7 @@ class ShardReader:
         self.shard = shard
         self.num_shards = num_shards
         self.seed = seed
-        self.order = getattr(tokens, "order", "legacy")
+        self.order = window_order(tokens)
         self.n_windows = num_train_windows(len(tokens), seq_len)
         self.per_shard = self.n_windows // num_shards
         if self.per_shard < 1:
@@ -594,7 +607,7 @@ class ShardReader:
 
         idx = self.next_indices(batch)
         T = self.seq_len
-        if hasattr(self.tokens, "prefetch"):
+        if isinstance(self.tokens, TokenSplit):  # a remote store's chunks fetched ahead
             ahead = self.peek_indices(batch * self.PREFETCH_BATCHES)
             self.tokens.prefetch([(s, s + T + 1) for s in (self._start(int(e), int(w)) for e, w in ahead)])
         rows = [self.tokens[s : s + T + 1] for s in (self._start(int(e), int(w)) for e, w in idx)]
@@ -618,12 +631,12 @@ class ShardReader:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 
-def val_windows(tokens: np.ndarray, seq_len: int) -> int:
+def val_windows(tokens: Split, seq_len: int) -> int:
     """Non-overlapping validation windows covering the whole validation stream."""
     return (len(tokens) - 1) // seq_len
 
 
-def val_batch(tokens: np.ndarray, seq_len: int, windows: np.ndarray):
+def val_batch(tokens: Split, seq_len: int, windows: np.ndarray):
     """``(x, y)`` int64 tensors ``[len(windows), seq_len]`` for validation windows."""
     import torch
 

@@ -23,7 +23,7 @@ from ray_diloco.components.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from ray_diloco.components.data import eval_split, load_corpus, val_batch, val_windows
+from ray_diloco.components.data import Split, eval_split, load_corpus, val_batch, val_windows
 from ray_diloco.components.export import model_with_params
 from ray_diloco.components.token_store import load_saved_tokenizer
 from ray_diloco.errors import CheckpointError, RayDilocoError
@@ -42,7 +42,7 @@ def run_autocast(precision: str, device: torch.device):
 @torch.no_grad()
 def evaluate_loss(
     model: torch.nn.Module,
-    tokens: np.ndarray,
+    tokens: Split,
     seq_len: int,
     windows: np.ndarray,
     batch: int,
@@ -50,7 +50,7 @@ def evaluate_loss(
     min_batches: int = 0,
 ) -> tuple[float, int]:
     """Summed next-token cross-entropy (nats) and token count of ``model`` over validation
-    ``windows`` (indices of non-overlapping ``seq_len`` windows of the int32 ``tokens``). The sum
+    ``windows`` (indices of non-overlapping ``seq_len`` windows of the ``tokens`` split). The sum
     stays on the model's device (fp64) and is read once at the end. ``min_batches``: forward
     passes made at least (the extra ones on window 0, not counted): the ranks of an FSDP replica
     must make as many as each other."""

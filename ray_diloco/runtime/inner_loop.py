@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 
-from ray_diloco.components.data import ShardReader
+from ray_diloco.components.data import ShardReader, Split
 from ray_diloco.components.evaluate import evaluate_loss, run_autocast
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import Fragment, ParamSpec, flatten, tensor_hash, unflatten_into
@@ -150,7 +150,7 @@ class WorkerParts:
     net: torch.nn.Module
     sync: FragmentSync = dataclasses.field(init=False)
     reader: ShardReader | None = None
-    val_tokens: np.ndarray | None = None
+    val_tokens: Split | None = None
 
     def new_sync(self) -> None:
         """A fresh :class:`FragmentSync` of :attr:`params` and :attr:`sync_fragments` (after they
@@ -168,8 +168,8 @@ class WorkerParts:
             on_reset=lambda: self.optimizer.state.clear(),
         )
 
-    def open_reader(self, tokens: np.ndarray, shard: int | None = None) -> None:
-        """Read data shard ``shard`` (default: :attr:`shard`) of ``tokens`` (int32 ``[n]``) from its start."""
+    def open_reader(self, tokens: Split, shard: int | None = None) -> None:
+        """Read data shard ``shard`` (default: :attr:`shard`) of ``tokens`` (the training split) from its start."""
         self.shard = self.shard if shard is None else shard
         self.reader = ShardReader(tokens, self.cfg.data.seq_len, self.shard, self.num_shards, self.cfg.run.seed)
 
