@@ -412,21 +412,30 @@ def _nbytes(e: dict[str, Any]) -> int:
 OuterShardActor = ray.remote(num_cpus=0)(OuterShard)
 
 
-def _worker_nodes(avoid: set[str]) -> list[str]:
-    """Live nodes to place outer shards on, by node id: those with CPUs (the replicas' nodes)
-    other than this process's (the job's, where the driver runs) and not in ``avoid``, else any
-    live node not in ``avoid``, else any live node. K shards go round-robin over them, so they
-    sit on K different nodes when there are K (``SPREAD`` alone may put two on one node, and a
-    shard and its buddy on one node are lost together)."""
+def _live_nodes() -> tuple[list[str], str]:
+    """``(pool, here)``: the live nodes to place outer shards on, sorted by node id (those with
+    CPUs, the replicas', other than this process's; none such: every live node), and this
+    process's node (the job's, where the driver runs)."""
     here = ray.get_runtime_context().get_node_id()
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    ids = [n["NodeID"] for n in alive]
-    workers = [n["NodeID"] for n in alive if n["Resources"].get("CPU", 0) > 0 and n["NodeID"] != here]
-    for pool in (workers, ids):
-        choice = sorted(n for n in pool if n not in avoid)
-        if choice:
-            return choice
-    return sorted(ids)
+    workers = sorted(n["NodeID"] for n in alive if n["Resources"].get("CPU", 0) > 0 and n["NodeID"] != here)
+    return workers or sorted(n["NodeID"] for n in alive), here
+
+
+def ring_placement(k: int, pool: list[str], spare: str | None = None) -> list[str | None]:
+    """The node of each of ``k`` shards whose copies go round a ring (shard i's is kept by shard
+    ``(i + 1) % k``): round-robin over ``pool``, so with ``k`` nodes or more every shard has its
+    own, and a shard and its keeper never share a node when there are two nodes or more. The
+    wrap-around would put shard ``k - 1`` next to shard 0 when ``k % len(pool) == 1``: with three
+    nodes or more it moves to ``pool[1]``; with two (``k`` odd) to ``spare``, the driver's node
+    (lost only with the run), when given. ``pool`` empty: None each (the scheduler's choice)."""
+    if not pool:
+        return [None] * k
+    n = len(pool)
+    nodes: list[str | None] = [pool[i % n] for i in range(k)]
+    if k > 1 and n > 1 and k % n == 1:
+        nodes[-1] = pool[1] if n >= 3 else spare if spare is not None else nodes[-1]
+    return nodes
 
 
 class ShardLost(Exception):
@@ -456,8 +465,8 @@ class ShardGroup:
             self.actors: list[Any] = []
         else:
             self.local = None
-            pool = _worker_nodes(set())
-            self.nodes = [pool[i % len(pool)] if pool else None for i in range(k)]
+            pool, here = _live_nodes()
+            self.nodes = ring_placement(k, pool, here if here not in pool else None)
             self.actors = [self._start(i) for i in range(k)]
 
     def _start(self, i: int) -> Any:
@@ -497,6 +506,20 @@ class ShardGroup:
             full[i] = o
         return full
 
+    def _rebuild_nodes(self, i: int) -> list[str]:
+        """Where a rebuilt shard ``i`` may go, best first: a live node holding no other shard, then
+        one holding others, then the driver's node, and last its ring neighbours' nodes (its
+        keeper's and the one whose copy it keeps: a node's loss would take both), and the dead
+        shard's own node (the cluster may still list it as alive for a while)."""
+        pool, here = _live_nodes()
+        near = {self.nodes[self.buddy(i)], self.nodes[(i - 1) % self.k]}
+        held = {n for j, n in enumerate(self.nodes) if j != i}
+        worst = near | {self.nodes[i]}
+        ranked = sorted(pool, key=lambda n: (n in worst, n in held, n))
+        if here not in ranked and here not in worst:
+            ranked.insert(sum(1 for n in ranked if n not in worst), here)
+        return ranked
+
     async def replace(self, i: int) -> dict[str, Any]:
         """Start a new shard ``i`` on a live node, restored from the copy its buddy keeps, and give
         it the copy of shard ``(i - 1) % K`` it is to keep. Returns ``{"versions", "node",
@@ -507,11 +530,7 @@ class ShardGroup:
             LookupError: no copy of shard ``i`` was kept."""
         t0 = time.monotonic()
         backup = await self.one(self.buddy(i), "held_backup", i)
-        # a live node holding no other shard, if there is one, and not the dead one's (the cluster
-        # may still list its node as alive for a while)
-        pool = _worker_nodes({n for n in self.nodes if n is not None})
-        near = {self.nodes[self.buddy(i)], self.nodes[(i - 1) % self.k]}  # its keeper, and whose copy it keeps
-        pool.sort(key=lambda n: n in near)  # stable: otherwise by node id
+        pool = self._rebuild_nodes(i)
         tried: list[str | None] = []
         while True:
             self.nodes[i] = next((n for n in pool if n not in tried), None)

@@ -46,6 +46,13 @@ class Supervisor:
     def __init__(self, cfg: Config, run_dir: Path, sync: SyncStrategy, members: Membership):
         self.cfg, self.run_dir, self.sync, self.members = cfg, run_dir, sync, members
         self.slowest_round: float | None = None  # wall seconds of the slowest outer step completed so far
+        # one for the run: a ping still in flight when a gather returns is read by the next one (a
+        # dropped ref whose call failed is printed by Ray as an "Unhandled error" with its stack)
+        self.watch = _Watchdog(sync, cfg.diloco.sync_timeout_s)
+
+    def close(self) -> None:
+        """Read the sync side's last ping (before the run's actors are killed)."""
+        self.watch.drain()
 
     def round_done(self, wall: float) -> None:
         """An outer step's training took ``wall`` seconds (the unresponsive-replica limit grows with the slowest)."""
@@ -77,9 +84,8 @@ class Supervisor:
         pending = dict(calls)
         first_done = None
         t0 = time.monotonic()
-        watch = _Watchdog(self.sync, self.cfg.diloco.sync_timeout_s)
         while pending:
-            watch.check()
+            self.watch.check()
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.25)
             for ref in ready:
                 r = pending.pop(ref, None)
@@ -236,3 +242,16 @@ class _Watchdog:
                 ) from None
         elif time.monotonic() - self.sent > self.timeout_s:
             raise outer_side_failed(f"has not answered for {self.timeout_s:g} s (diloco.sync_timeout_s)")
+
+    def drain(self) -> None:
+        """Read the ping in flight, if any (waiting up to 2 s), whatever it answers: the run is
+        ending, and a failed call's result that is never read is printed by Ray with its stack."""
+        import ray
+
+        ping, self.ping = self.ping, None
+        if ping is not None:
+            ray.wait([ping], timeout=2)
+            try:
+                ray.get(ping, timeout=0)
+            except Exception:  # noqa: BLE001 - the driver died or broke: the run's error says so
+                pass

@@ -311,6 +311,8 @@ class Trainer:
         (blocked on a sync whose peer died) get 10 seconds in all, then are killed."""
         import ray
 
+        if self.supervisor is not None:
+            self.supervisor.close()
         refs = []
         for w in all_workers(self.replicas):
             try:

@@ -343,7 +343,8 @@ def test_a_shard_rebuilt_on_a_node_that_is_gone_is_started_on_the_next(ray_sessi
         before = await group.all("state_hash")
         ray.kill(group.actors[0])
         gone = "ab" * 28  # a node id Ray no longer has
-        monkeypatch.setattr(outer_shards, "_worker_nodes", lambda avoid: [gone, ray.get_runtime_context().get_node_id()])
+        here = ray.get_runtime_context().get_node_id()
+        monkeypatch.setattr(outer_shards, "_live_nodes", lambda: ([gone, here], here))
         info = await group.replace(0)
         after = await group.all("state_hash")
         return group, before, info, after

@@ -90,3 +90,20 @@ def test_a_shard_rebuilt_from_its_neighbours_copy_holds_and_steps_the_same_bits(
     step(b, 0, 99)
     for x, y in zip(state(b), state(a)):
         assert all(np.array_equal(u, v) for u, v in zip(x, y)) if isinstance(x[0], np.ndarray) else x == y
+
+
+def test_a_shard_and_the_shard_keeping_its_copy_never_share_a_node_when_there_are_two():
+    """Shard i's copy is kept by shard i + 1 (mod K): placed round-robin, shard K - 1 and shard 0
+    met on one node when K % nodes == 1 (K = 3 on 2 nodes, K = 4 on 3: one node's loss lost both,
+    found by a break-it run). Every K on 2 to 5 nodes now keeps ring neighbours apart (on 2 nodes
+    with K odd one shard goes to the driver's node), and uses every node when K >= nodes."""
+    for n in range(1, 6):
+        pool = [f"node{j}" for j in range(n)]
+        for k in range(1, 10):
+            nodes = D.ring_placement(k, pool, spare="driver")
+            assert len(nodes) == k and set(pool[: min(k, n)]) <= set(nodes)
+            if n >= 2 and k >= 2:
+                assert all(nodes[i] != nodes[(i + 1) % k] for i in range(k)), (n, k, nodes)
+            assert nodes.count("driver") == (1 if n == 2 and k % 2 == 1 and k > 1 else 0)
+    assert D.ring_placement(3, ["a", "b"]) == ["a", "b", "a"]  # no spare node: as before
+    assert D.ring_placement(2, []) == [None, None]
