@@ -673,10 +673,10 @@ def main(argv: list[str] | None = None) -> int:
 
     setup(1 if a.verbose else -1 if a.quiet else 0)
 
-    from ray_diloco.runtime import cluster
+    from ray_diloco.components import address
 
-    cluster.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
-    signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
+    address.GRACEFUL_SIGTERM = True  # SIGTERM (ray job stop, kill) cleans up like Ctrl-C
+    signal.signal(signal.SIGTERM, address.raise_keyboard_interrupt)
     handlers = {
         "train": _cmd_train,
         "eval": _cmd_eval,

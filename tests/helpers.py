@@ -224,11 +224,11 @@ def one_error_line(proc: subprocess.CompletedProcess, *needles: str, code: int =
 def run_main(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """``ray-diloco ARGS`` through :func:`ray_diloco.cli.main` in this process (the console
     script's code without a new interpreter): stdout and stderr captured, ``env`` set for the call,
-    and the SIGTERM handler and ``cluster.GRACEFUL_SIGTERM`` that ``main`` installs put back."""
+    and the SIGTERM handler and ``address.GRACEFUL_SIGTERM`` that ``main`` installs put back."""
     from ray_diloco.cli import main
-    from ray_diloco.runtime import cluster
+    from ray_diloco.components import address
 
-    saved = signal.getsignal(signal.SIGTERM), cluster.GRACEFUL_SIGTERM
+    saved = signal.getsignal(signal.SIGTERM), address.GRACEFUL_SIGTERM
     old_env = {k: os.environ.get(k) for k in (env or {})}
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -240,7 +240,7 @@ def run_main(args: list[str], env: dict | None = None) -> subprocess.CompletedPr
                 rc = e.code if isinstance(e.code, int) else 2
     finally:
         signal.signal(signal.SIGTERM, saved[0])
-        cluster.GRACEFUL_SIGTERM = saved[1]
+        address.GRACEFUL_SIGTERM = saved[1]
         for k, v in old_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import posixpath
 import sys
 import time
@@ -34,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from ray_diloco.components.address import check_reachable
+from ray_diloco.components.address import connect_ray
 from ray_diloco.components.data import EOS, char_tokenizer, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
-from ray_diloco.errors import ClusterError, DataError
+from ray_diloco.errors import DataError
 from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
@@ -422,33 +423,20 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
 
 
 def _init_ray(address: str | None) -> bool:
+    """Join ``address`` (or ``RAY_ADDRESS``) or start a local Ray of this process's own, with an
+    object store big enough for the tokenised batches (:func:`~ray_diloco.components.address.connect_ray`).
+
+    Raises:
+        ClusterError: the address cannot be reached or Ray cannot start."""
     import logging
 
-    import ray
-
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
-    import os
-
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
-    if ray.is_initialized():
-        return False
-    # RAY_ADDRESS (set under `ray job submit`) joins that cluster, as ray.init does by itself: the
-    # object store is then the cluster's, so no size may be given
-    field = "RAY_ADDRESS" if not address and os.environ.get("RAY_ADDRESS") else "--address"
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    check_reachable(address, field)
-    try:
-        ray.init(
-            address=address,
-            include_dashboard=False,
-            logging_level="ERROR",  # type: ignore[arg-type]  # annotated int; Ray's own default is a level name
-            log_to_driver=False,
-            object_store_memory=None if address else max(OBJECT_STORE_BYTES * 2, 1 << 30),
-        )
-    except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
-        what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(f"{field} = {address!r}: {what} ({error_line(e, typed=False)})") from None
-    return True
+    # RAY_ADDRESS (set under `ray job submit`) joins that cluster: the object store is then the
+    # cluster's, so no size may be given
+    local = not (address or os.environ.get("RAY_ADDRESS")) or address == "local"
+    return connect_ray(address, "--address", include_dashboard=False, log_to_driver=False,
+                       object_store_memory=max(OBJECT_STORE_BYTES * 2, 1 << 30) if local else None)  # fmt: skip
 
 
 def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str, Any]:

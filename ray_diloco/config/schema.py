@@ -332,7 +332,9 @@ class RunConfig:
     """Workers keep every sync's fp32 tensors (global at send, local at send and merge, new global, merged)
     for inspection; tests and debugging only."""
     address: str | None = None
-    """Ray address; None: start (or join, under ``ray job submit``) a cluster."""
+    """Ray address: ``auto`` (the cluster running on this machine), HOST:PORT or ``ray://``; None
+    (or ``local``): a local cluster of the run's own, even when another runs on the machine
+    (under ``ray job submit``: the job's cluster, from ``RAY_ADDRESS``)."""
     storage_path: str | None = None
     """Where run directories persist: a local path (used instead of ``run.output_dir``), or a URI
     (``s3://``, ``gs://``, ``file://``, any pyarrow or fsspec filesystem): the run is staged in

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ray_diloco.components.address import check_reachable
+from ray_diloco.components.address import connect_ray
 from ray_diloco.config import Config
 from ray_diloco.errors import ClusterError
-from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -55,47 +52,17 @@ class Replica:
 #: concurrent trials never wait on each other's resources.
 HOST_PLACEMENT_GROUP: Any = None
 
-#: Set by the CLI: after ``ray.init`` (whose core worker installs its own fatal-signal handler),
-#: SIGTERM (``ray job stop``, ``kill``) is turned into KeyboardInterrupt again, so a run
-#: stops its actors and its local cluster cleanly instead of aborting.
-GRACEFUL_SIGTERM = False
-
-
-def raise_keyboard_interrupt(signum, frame):
-    """Signal handler: stop the way Ctrl-C does (``finally`` blocks run, actors are removed)."""
-    raise KeyboardInterrupt
-
 
 def init_ray(cfg: Config) -> bool:
-    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster; True if we started it.
+    """Join (``run.address`` / ``RAY_ADDRESS``) or start a Ray cluster of this run's own
+    (:func:`~ray_diloco.components.address.connect_ray`); True if this call did.
 
     Raises:
-        ClusterError: when the address cannot be reached.
+        ClusterError: when the address cannot be reached or Ray cannot start.
     """
-    import ray
-
-    if ray.is_initialized():
-        return False
     address = cfg.run.address or os.environ.get("RAY_ADDRESS")
-    check_reachable(address, "run.address")
-    try:
-        ray.init(
-            address=address,
-            logging_level=logging.ERROR,
-            log_to_driver=True,
-            include_dashboard=False if address is None else None,
-        )
-    except SystemExit as e:  # SIGTERM while ray.init runs: Ray's own handler calls sys.exit(15)
-        if not (GRACEFUL_SIGTERM and e.code == signal.SIGTERM):
-            raise
-        ray.shutdown()  # what it had started
-        raise KeyboardInterrupt from None
-    except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
-        what = "cannot connect to a Ray cluster" if address else "cannot start a local Ray cluster"
-        raise ClusterError(f"run.address = {address!r}: {what} ({error_line(e, typed=False)})") from None
-    if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
-    return True
+    return connect_ray(cfg.run.address, "run.address", log_to_driver=True,
+                       include_dashboard=False if address in (None, "local") else None)  # fmt: skip
 
 
 MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out

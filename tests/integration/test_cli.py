@@ -179,20 +179,20 @@ def test_a_signal_during_a_checkpoint_write_stops_the_run_after_it(tmp_path):
     checkpoint is now written whole and the interrupt raised after it (SIGTERM as the CLI maps it)."""
     import torch
 
+    from ray_diloco.components import address
     from ray_diloco.components.checkpoint import list_checkpoints, save_checkpoint
-    from ray_diloco.runtime import cluster
     from ray_diloco.runtime.checkpointing import signals_deferred
 
     state = {"outer_step": 1, "big": torch.arange(2_000_000, dtype=torch.float32)}
     before = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, cluster.raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, address.raise_keyboard_interrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
             with signals_deferred(replay=True):
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.1)  # the handler has run: without the deferral the interrupt is raised here
                 save_checkpoint(tmp_path, 1, state, keep=1)
-        assert signal.getsignal(signal.SIGTERM) is cluster.raise_keyboard_interrupt
+        assert signal.getsignal(signal.SIGTERM) is address.raise_keyboard_interrupt
     finally:
         signal.signal(signal.SIGTERM, before)
     (step, path), = list_checkpoints(tmp_path)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from ray_diloco.components.address import check_reachable
+from ray_diloco.components.address import check_reachable, connect_ray
 from ray_diloco.errors import ClusterError
 
 
@@ -18,11 +18,41 @@ def test_an_address_nothing_answers_and_a_malformed_one_are_one_line():
         port = s.getsockname()[1]
     with pytest.raises(ClusterError, match=rf"RAY_ADDRESS = '127.0.0.1:{port}': no Ray cluster answers there"):
         check_reachable(f"127.0.0.1:{port}", "RAY_ADDRESS")
-    with pytest.raises(ClusterError, match=r"--address = 'nohost': expected 'auto', HOST:PORT or ray://HOST:PORT"):
+    with pytest.raises(ClusterError, match=r"--address = 'nohost': expected 'auto', 'local', HOST:PORT or ray://HOST:PORT"):
         check_reachable("nohost", "--address")
-    for left_to_ray in (None, "", "auto", "ray://127.0.0.1:1"):
+    for left_to_ray in (None, "", "auto", "local", "ray://127.0.0.1:1"):
         check_reachable(left_to_ray, "run.address")
     with socket.socket() as s:  # something listening: accepted
         s.bind(("127.0.0.1", 0))
         s.listen()
         check_reachable(f"127.0.0.1:{s.getsockname()[1]}", "run.address")
+
+
+def test_with_no_address_a_command_starts_a_ray_of_its_own(monkeypatch):
+    """A plain ``ray.init()`` joins the cluster ``/tmp/ray/ray_current_cluster`` names (one that
+    ``ray start`` or a test script started on the machine; a fresh user's first run trained on
+    another user's cluster and failed). With no address and no ``RAY_ADDRESS`` every command now
+    starts a local Ray of its own; ``RAY_ADDRESS`` (``ray job submit``) and an address given are
+    joined. (``ray.init`` is recorded here: a unit test starts no Ray.)"""
+    import ray
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert connect_ray(None, "run.address", log_to_driver=True)
+    assert calls[-1]["address"] == "local" and calls[-1]["log_to_driver"] is True
+    connect_ray("auto", "run.address")
+    assert calls[-1]["address"] == "auto"  # joins the cluster running on this machine, asked for
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    connect_ray(None, "run.address")
+    assert calls[-1]["address"] == "ray://head:10001"  # a job's cluster
+    connect_ray("local", "run.address")
+    assert calls[-1]["address"] == "local"
+
+    def refuse(**kw):
+        raise ConnectionError("no GCS")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ClusterError, match=r"^RAY_ADDRESS = 'ray://head:10001': cannot connect to a Ray cluster"):
+        connect_ray(None, "run.address")
