@@ -44,3 +44,8 @@ class CheckpointError(RayDilocoError):
 
 class ClusterError(RayDilocoError):
     """The Ray cluster cannot host the requested replicas, or a replica failed."""
+
+
+class RunStopped(ClusterError):
+    """A run stopped part-way because its outer-optimiser side failed; the launcher adds how to go
+    on (resume from the last checkpoint, or start again when none was written)."""

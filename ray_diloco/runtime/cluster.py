@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_diloco.components.address import connect_ray
 from ray_diloco.config import Config
-from ray_diloco.errors import ClusterError
+from ray_diloco.errors import ClusterError, RunStopped
 
 logger = logging.getLogger(__name__)
 
@@ -390,12 +390,11 @@ def all_workers(replicas: list[Replica]) -> list[Any]:
     return [w for r in replicas for w in r.workers]
 
 
-def outer_side_failed(what: str) -> ClusterError:
+def outer_side_failed(what: str) -> RunStopped:
     """The one line that stops a run whose outer-optimiser side (the driver or one of its shard
-    actors) failed or stopped answering; ``what`` says how (after "the outer-optimiser driver")."""
-    return ClusterError(
-        f"the outer-optimiser driver {what} (resume the run with --resume RUN_DIR: it restarts from the last checkpoint)"
-    )
+    actors) failed or stopped answering; ``what`` says how (after "the outer-optimiser driver").
+    The launcher adds how to go on."""
+    return RunStopped(f"the outer-optimiser driver {what}")
 
 
 def error_cause(e: BaseException) -> str:

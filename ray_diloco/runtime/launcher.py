@@ -32,7 +32,7 @@ from ray_diloco.components.token_store import load_saved_tokenizer
 from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
 from ray_diloco.core.wire import communication_summary
-from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError
+from ray_diloco.errors import CheckpointError, ClusterError, ConfigError, DataError, RayDilocoError, RunStopped
 from ray_diloco.log import RESULT, error_line
 from ray_diloco.models.transformer import ModelFn, pin_model_fields
 from ray_diloco.runtime.checkpointing import signals_deferred
@@ -287,6 +287,8 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
                 f"warning: the copy of the run at {trainer.mirror.uri} is incomplete (the uploads above "
                 f"failed); the run directory {run_dir} is complete"
             )
+    except RunStopped as e:
+        raise ClusterError(f"{e} ({_resume_hint(run_dir)})") from None
     except ray.exceptions.RayError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, RayDilocoError):  # a worker's own one-line error

@@ -264,6 +264,8 @@ class Membership:
             ray.get(self.driver.ping.remote(), timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as e:
             raise outer_side_failed(f"(or one of its diloco.outer_shards actors) failed: {error_cause(e)}") from None
+        if kind == "death":  # said only now: a replica whose call failed because the driver did is not to blame
+            logger.warning(f"replica {r.index} failed: {reason}")
         self.live.remove(r)
         stop_replicas([r])
         ray.get(self.driver.remove_member.remote(r.index, reason, kind))

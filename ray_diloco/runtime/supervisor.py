@@ -157,7 +157,6 @@ class Supervisor:
     # -- failures and membership -------------------------------------------------------------
     def lose(self, r: Replica, reason: str) -> None:
         """A replica failed: check the driver is alive, then remove the replica."""
-        logger.warning(f"replica {r.index} failed: {reason}")
         self.members.lose(r, reason)
 
     def at_boundary(self, step: int) -> None:
