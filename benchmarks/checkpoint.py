@@ -243,7 +243,7 @@ def main() -> None:
     a = ap.parse_args()
     import ray
 
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, logging_level="ERROR")
     try:
         with tempfile.TemporaryDirectory(dir=str(ROOT)) as tmp:
             if a.export:

@@ -302,7 +302,7 @@ def main() -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
     else:
-        ray.init(num_cpus=max(args.replicas) + 1, object_store_memory=store, include_dashboard=False,
+        ray.init(address="local", num_cpus=max(args.replicas) + 1, object_store_memory=store, include_dashboard=False,
                  logging_level="ERROR")
     cfg0 = _config(1000, 2, "none", 2, "/tmp")
     corpus = load_corpus(cfg0.data)

@@ -120,9 +120,9 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=600, help="inner steps of each run (default 600)")
     ap.add_argument("--kill-step", type=int, default=5, help="outer step in which a replica is killed")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the runs' seed and the kill's point in its outer step (default 0)")
     ap.add_argument("--nodes", type=int, default=1, help="N >= 3: a node's loss on an N-node Ray cluster")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
@@ -141,7 +141,7 @@ def main() -> None:
     elif args.nodes != 1:
         ap.error(f"--nodes {args.nodes}: 1 (one local node) or at least 3 (a head and a node per replica)")
     else:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
         plan = [("fault-free", None, 0), ("kill", args.kill_step, 0), ("kill+spare", args.kill_step, 1)]
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:

@@ -75,7 +75,7 @@ def profile(params: int, replicas: int, repeats: int) -> dict:
     outer_threads = _maths_threads()
     os.environ["RAY_preallocate_plasma_memory"] = "1"
     store = int(min(6e9, max(1e9, 8 * 4 * params)))  # as benchmarks/exchange.py's
-    ray.init(num_cpus=2, object_store_memory=store, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, object_store_memory=store, include_dashboard=False, logging_level="ERROR")
     try:
         pg = pseudo_gradient(glob, local, frag, out=buf).numpy()
         terms = [pg * (1 + 0.1 * i) for i in range(replicas)]
