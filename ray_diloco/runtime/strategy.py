@@ -192,6 +192,14 @@ class DiLoCoSync(SyncStrategy):
                 f"elastic: quorum {c.diloco.min_replicas}, up to {target} replicas, "
                 f"sync timeout {c.diloco.sync_timeout_s:g} s"
             )
+        d = c.diloco
+        where = f"on a node with resource {d.driver_resource!r}" if d.driver_resource else "on the job's node"
+        shards = (
+            f"{d.outer_shards} shards on the replicas' nodes, each copied to the next: {'on' if d.outer_shard_backup else 'off'}"
+            if d.outer_shards > 1
+            else "its state in the driver"
+        )
+        lines.append(f"outer optimiser: driver {where}, {shards}")
         return lines
 
     def plan(self, fragments: list[Fragment]) -> list[str]:

@@ -66,6 +66,10 @@ def test_headers_and_fragment_checks():
     cfg = load_config(overrides=["diloco.min_replicas=2", "streaming.overlap_steps=20"])
     lines = DiLoCoSync(cfg).header(target=2)
     assert lines[0].startswith("M=2 replicas x 1 worker(s), H=50") and lines[1].startswith("elastic: quorum 2")
+    assert lines[2] == "outer optimiser: driver on the job's node, its state in the driver"  # where it runs, said
+    sharded = load_config(overrides=["diloco.outer_shards=3", "diloco.driver_resource=outer_host"])
+    assert DiLoCoSync(sharded).header(2)[-1] == ("outer optimiser: driver on a node with resource 'outer_host', "
+                                                 "3 shards on the replicas' nodes, each copied to the next: on")
     frags = plan_fragments([ParamSpec(f"layers.{i}.w", (10,)) for i in range(9)], 9)
     assert DiLoCoSync(cfg).plan(frags[:3]) and not DiLoCoSync(cfg).plan(frags[:1])  # 20 x 3 >= 50
     s = DiLoCoSync(cfg)
