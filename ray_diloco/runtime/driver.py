@@ -166,8 +166,9 @@ class _Recovery:
             return await call
         except (ShardLost, ray.exceptions.RayActorError) as e:
             shard = f" {e.shard}" if isinstance(e, ShardLost) else ""
-            self.d._broken = f"outer-optimiser shard{shard} died while the run started, before a copy of it was kept"
-            raise RuntimeError(self.d._broken) from None
+            raise self.d.stop_run(
+                f"outer-optimiser shard{shard} died while the run started, before a copy of it was kept"
+            ) from None
 
     async def seed(self) -> None:
         """Every shard's whole state copied to its buddy (after the global parameters are set or
@@ -276,13 +277,12 @@ class _Recovery:
             todo = sorted({e.shard for e in lost if d.shards.gens[e.shard] == e.gen})
             if not todo:
                 return
-            if d._broken:
-                raise RuntimeError(d._broken)
+            if d.broken:
+                raise RuntimeError(d.broken)
             why = next(e for e in lost if e.shard == todo[0]).cause
             if not self.enabled or not self.seeded:
                 off = "diloco.outer_shard_backup is off" if not self.enabled else "no copy of it was kept yet"
-                d._broken = f"outer-optimiser shard {todo[0]} died ({type(why).__name__}) and {off}"
-                raise RuntimeError(d._broken)
+                raise d.stop_run(f"outer-optimiser shard {todo[0]} died ({type(why).__name__}) and {off}")
             await asyncio.gather(*(t for ts in self.keeping.values() for t in ts), return_exceptions=True)
             for i in todo:
                 try:
@@ -294,12 +294,12 @@ class _Recovery:
                         await self._send_copies(behind)
                     self.unbacked.clear()
                 except ShardLost as e:  # its keeper (or the shard it keeps a copy of) died too
-                    d._broken = (f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
-                                 "or whose copy it kept: the outer state is lost")  # fmt: skip
-                    raise RuntimeError(d._broken) from None
+                    raise d.stop_run(f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
+                                     "or whose copy it kept: the outer state is lost") from None  # fmt: skip
                 except Exception as e:
-                    d._broken = f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
-                    raise RuntimeError(d._broken) from None
+                    raise d.stop_run(
+                        f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
+                    ) from None
                 d.book.event("shard_recovered", None, shard=i, node=info["node"][:12],
                          seconds=round(info["seconds"], 2), redone=redone)  # fmt: skip
 
@@ -504,7 +504,7 @@ class _Rounds:
         outs = await self.d.recovery.step_all(fragment, step, terms, r)
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors and len(errors) < len(outs) or len({o[3] for o in outs if not isinstance(o, BaseException)}) > 1:
-            self.d._broken = (f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
+            self.d.stop_run(f"outer-optimiser shards out of step after the round of fragment {fragment} at step "
                               f"{step}: {errors[0] if errors else 'versions differ'}")  # fmt: skip
         if errors:
             raise errors[0]
@@ -584,7 +584,7 @@ class OuterDriver:
         self.files = _DriverFiles(self)
         self.rounds = _Rounds(self)
         self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
-        self._broken: str | None = None  # K > 1 shards out of step: the run must stop (ping raises)
+        self.broken: str | None = None  # why the run cannot go on (stop_run): every ping raises it
         if initial is not None:
             values = [np.asarray(g, dtype=np.float32).reshape(-1) for g in initial]
             if self.shards.local is not None:  # in process: at once
@@ -622,6 +622,12 @@ class OuterDriver:
             await self.recovery.starting(self.recovery.seed())
 
     # -- liveness and membership -------------------------------------------------------------
+    def stop_run(self, why: str) -> RuntimeError:
+        """The run cannot go on (a shard lost with its copy, shards out of step): every later ping
+        raises ``why``, which the trainer turns into the run's error line. Returns that error."""
+        self.broken = why
+        return RuntimeError(why)
+
     async def ping(self) -> int:
         """The driver's process id (the trainer's liveness check; answered during an outer step).
         With K > 1 every shard must answer too.
@@ -629,8 +635,8 @@ class OuterDriver:
         Raises:
             ray.exceptions.RayActorError: a shard actor died (the run's global state is lost).
             RuntimeError: the shards got out of step (a shard's step failed while others' did not)."""
-        if self._broken:
-            raise RuntimeError(self._broken)
+        if self.broken:
+            raise RuntimeError(self.broken)
         if self.shards.actors:
             await self.recovery.all("ping")  # a dead shard is rebuilt first (diloco.outer_shard_backup)
         return os.getpid()
