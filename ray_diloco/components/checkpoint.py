@@ -29,9 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.components.storage import atomic_write, replace_dir
+from ray_diloco.components.storage import atomic_write, replace_dir, storage_reason
 from ray_diloco.errors import CheckpointError
-from ray_diloco.log import error_line
 
 _STEP = re.compile(r"^step_(\d{6,})$")
 STATE_FILE = "state.pt"
@@ -104,8 +103,8 @@ def write_state_file(path: Path, state: dict[str, Any]) -> int:
 
 
 def _reason(e: BaseException) -> str:
-    """The first line of an exception's message (its type when it has none), at most 160 characters."""
-    return error_line(e, typed=False, limit=160)
+    """Why a write failed (:func:`~ray_diloco.components.storage.storage_reason`), at most 160 characters."""
+    return storage_reason(e, limit=160)
 
 
 def _write(path: Path, state: dict[str, Any]) -> int:

@@ -417,7 +417,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     import shutil
     import tempfile
 
-    from ray_diloco.components.storage import publish_dir
+    from ray_diloco.components.storage import publish_dir, storage_reason
     from ray_diloco.components.token_store import TokenStore, write_store
 
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
@@ -461,7 +461,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     except (OSError, DataError) as e:
         logger.warning(
             f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
-            f"({error_line(e, typed=False)}); it stays in memory"
+            f"({storage_reason(e)}); it stays in memory"
         )
         return corpus
     finally:

@@ -25,9 +25,8 @@ import posixpath
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ray_diloco.components.storage import atomic_write, filesystem, join_uri, publish_dir, put_file
+from ray_diloco.components.storage import atomic_write, filesystem, join_uri, publish_dir, put_file, storage_reason
 from ray_diloco.errors import CheckpointError
-from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class Mirror:
                 _put(self.fs, self.run_dir / name, f"{self.path}/{name}")
             return True
         except Exception as e:  # network, permissions, quota: keep training; the local copy is whole
-            logger.warning(f"warning: could not mirror the run to {self.uri} ({error_line(e)})")
+            logger.warning(f"warning: could not mirror the run to {self.uri} ({storage_reason(e)})")
             return False
 
 
@@ -178,7 +177,7 @@ def download_run(uri: str, output_dir: str | Path) -> Path:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"--resume {uri}: cannot read it ({error_line(e)})") from None
+        raise CheckpointError(f"--resume {uri}: cannot read it ({storage_reason(e)})") from None
     return local
 
 

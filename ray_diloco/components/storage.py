@@ -26,6 +26,18 @@ from typing import Any, BinaryIO, TypeGuard
 from ray_diloco.errors import ConfigError, DataError
 from ray_diloco.log import error_line
 
+#: Storage errors said in words (``errno`` -> reason), whatever the filesystem that raised them.
+_ERRNO_REASONS = {28: "disk full", 13: "permission denied", 30: "read-only file system", 122: "quota exceeded"}
+
+
+def storage_reason(e: BaseException, limit: int = 300) -> str:
+    """Why a storage operation failed, for the one-line errors and notes of every writer and
+    reader (checkpoints, the token store, the mirror, the data cache): a full disk, a denied
+    permission, a read-only file system or an exceeded quota in those words, else the error's
+    first line (at most ``limit`` characters)."""
+    reason = _ERRNO_REASONS.get(getattr(e, "errno", None) or 0)
+    return reason if reason is not None else error_line(e, typed=False, limit=limit)
+
 
 def is_uri(path: str | None) -> TypeGuard[str]:
     """True for ``scheme://...`` (a filesystem other than a plain local path)."""
@@ -101,7 +113,7 @@ def upload_file(local: Path, uri: str) -> str | None:
         put_file(fs, Path(local), path)
         return None
     except Exception as e:  # noqa: BLE001 - any client error: the mirror uploads the file instead
-        return error_line(e, limit=300)
+        return storage_reason(e)
 
 
 def read_text(uri_or_path: str) -> str | None:
@@ -252,7 +264,7 @@ class Location:
         except OSError as e:
             if self.remote and self._missing(name):  # the filesystem says so: no message matching
                 return None
-            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({error_line(e)})") from None
+            raise DataError(f"{self.field} = {self.where!r}: cannot read {name} ({storage_reason(e)})") from None
 
     def _missing(self, name: str) -> bool:
         """Whether the remote file ``name`` (or its bucket) does not exist, asked of the filesystem."""
@@ -279,7 +291,7 @@ class Location:
                 return
             atomic_write(self.path(name), lambda f: f.write(data))
         except OSError as e:
-            reason = "disk full" if getattr(e, "errno", None) == 28 else error_line(e)
+            reason = storage_reason(e)
             raise DataError(
                 f"{self.field} = {self.where!r}: cannot write {name} ({reason}); finished shards are "
                 "kept and a rerun continues"

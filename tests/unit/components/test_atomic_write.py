@@ -43,3 +43,13 @@ def test_a_directory_is_published_by_its_first_writer_and_the_others_use_it(tmp_
     with pytest.raises(OSError):
         publish_dir(tmp_path / "c", unfinished, marker="manifest.json")
     assert (tmp_path / "c" / "manifest.json").is_file()  # kept: the caller removes it
+
+
+def test_storage_errors_are_said_in_words_by_every_writer():
+    from ray_diloco.components.storage import storage_reason
+
+    assert storage_reason(OSError(28, "No space left on device")) == "disk full"
+    assert storage_reason(PermissionError(13, "Permission denied")) == "permission denied"
+    assert storage_reason(OSError(30, "Read-only file system")) == "read-only file system"
+    assert storage_reason(ValueError("bad bucket name\nmore")) == "bad bucket name"
+    assert storage_reason(OSError()) == "OSError"
