@@ -294,7 +294,7 @@ class Membership:
         :meth:`lose` (``kind="leave"``) after their syncs settle."""
         if n == self.target:
             return []
-        self._event("scale", None, target=n, previous=self.target)
+        self._event("scale", None, target=n, previous=self.target, live=len(self.live))
         self.target = n
         while self.launches and len(self.live) + len(self.launches) > n + self.cfg.diloco.spare_replicas:
             stop_replicas([self.launches.pop().replica])
