@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,27 +240,44 @@ def build_tokenizer(cfg: DataConfig, texts: list[str]):
         ) from None
 
 
+def encode_documents(tok: Any, texts: Sequence[str | None], eos_id: int | None, lines: bool = False) -> list[list[int]]:
+    """Token ids of each document of ``texts`` with the ``tokenizers.Tokenizer`` ``tok`` (no
+    special tokens added), :data:`EOS` (``eos_id``) after each non-empty one; with ``lines``
+    each text is a line of a running text: its newline is kept and no EOS follows it. The one
+    tokenising step of ``prepare``'s actors and of a corpus tokenised in process.
+
+    Raises:
+        Exception: as ``tok.encode_batch_fast`` (a character the vocabulary lacks)."""
+    texts = [(t or "") + ("\n" if lines else "") for t in texts]
+    enc = tok.encode_batch_fast(texts, add_special_tokens=False)
+    eos = [eos_id] if (eos_id is not None and not lines) else []
+    return [(e.ids + eos if eos else e.ids) if t else [] for e, t in zip(enc, texts)]
+
+
 def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
-    """One int32 stream: documents joined by the tokenizer's EOS token when it has one.
+    """One int32 stream: documents joined by the tokenizer's EOS token when it has one
+    (:func:`encode_documents` for a fast tokenizer; a slow one's own encoding otherwise).
 
     Raises:
         DataError: when the tokenizer cannot encode the text.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # None: a slow (Python) tokenizer
     parts: list[np.ndarray] = []
     batch = 1000
     for start in range(0, len(texts), batch):
         try:
-            enc = tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]
+            if backend is not None:
+                enc = encode_documents(backend, texts[start : start + batch], eos)
+            else:
+                enc = [ids + ([eos] if eos is not None else []) for ids in
+                       tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]]  # fmt: skip
         except Exception as e:  # e.g. a char vocabulary built on another corpus
             raise DataError(
                 f"data: the tokenizer cannot encode this corpus ({error_line(e, typed=False)}); "
                 "was the run trained on other text?"
             ) from None
-        for ids in enc:
-            parts.append(np.asarray(ids, dtype=np.int32))
-            if eos is not None:
-                parts.append(np.asarray([eos], dtype=np.int32))
+        parts.extend(np.asarray(ids, dtype=np.int32) for ids in enc)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.address import connect_ray
-from ray_diloco.components.data import EOS, char_tokenizer, file_type
+from ray_diloco.components.data import EOS, char_tokenizer, encode_documents, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import DataError
 from ray_diloco.log import error_line
@@ -283,10 +283,7 @@ class Tokenize:
                     f"{type(t).__name__} {str(t)[:40]!r}"
                 )
         texts = [(t or "") + ("\n" if self.lines else "") for t in values]
-        enc = self.tok.encode_batch_fast(texts, add_special_tokens=False)
-        eos = [self.eos] if (self.eos is not None and not self.lines) else []
-        ids = [(e.ids + eos if eos else e.ids) if t else [] for e, t in zip(enc, texts)]
-        del enc
+        ids = encode_documents(self.tok, list(values), self.eos, self.lines)
         val = np.array([zlib.crc32(t.encode()) < self.threshold for t in texts], dtype=bool)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum()))

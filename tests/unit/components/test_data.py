@@ -145,3 +145,28 @@ def test_run_directory_lock_is_exclusive(tmp_path):
         second = lock_run_dir(tmp_path)
         third = lock_run_dir(tmp_path)  # noqa: F841
         second.close()
+
+
+def test_a_corpus_tokenised_in_process_and_by_prepare_gets_the_same_ids():
+    """``data.path``'s in-process tokenising and ``prepare``'s Ray Data actors share one step
+    (``encode_documents``); it gives the ids a transformers tokenizer's own call gave before (so
+    the default run's 1.9199 and every cached corpus stay as they were), for the plain and the
+    special-token char vocabularies and a BPE, with EOS after each document; a text file's lines
+    keep their newline and get no EOS."""
+    from helpers import SHAKESPEARE
+
+    from ray_diloco.components.data import bpe_tokenizer, char_tokenizer, encode_documents, tokenize
+    from ray_diloco.components.prepare import Tokenize
+
+    text = SHAKESPEARE.read_text()[:20000]
+    docs = [text[:7000], text[7000:12000], text[12000:]]
+    for tok in (char_tokenizer(docs), char_tokenizer(docs, specials=True), bpe_tokenizer(docs, 300)):
+        eos = tok.eos_token_id
+        before = np.concatenate([np.asarray(ids + ([eos] if eos is not None else []), np.int32)
+                                 for ids in tok(docs, add_special_tokens=False)["input_ids"]])  # fmt: skip
+        assert np.array_equal(tokenize(tok, docs), before)
+        actor = Tokenize(tok.backend_tokenizer.to_str(), eos, "text", False, 0.0, "<u4")
+        out = actor({"text": np.array(docs, dtype=object)})
+        assert np.array_equal(np.frombuffer(out["train"][0], "<u4"), before)
+    lines = encode_documents(tok.backend_tokenizer, ["a b", "", "c"], tok.eos_token_id, lines=True)
+    assert [tok.decode(ids) for ids in lines] == ["a b\n", "\n", "c\n"]
