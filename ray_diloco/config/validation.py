@@ -122,6 +122,11 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
     )
     if cfg.algorithm == "dp" and d.spare_replicas:
         e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
+    if cfg.algorithm == "dp" and d.outer_shards != 1:
+        e.append(
+            f"diloco.outer_shards = {d.outer_shards}: outer shards need algorithm: diloco "
+            "(the DP baseline has no outer optimiser); leave it at 1"
+        )
     _one_of(e, "diloco.join_inner_state", d.join_inner_state, JOIN_INNER_STATES)
     _one_of(e, "diloco.replica_nodes", d.replica_nodes, REPLICA_NODES)
     _one_of(e, "diloco.sharding", d.sharding, SHARDINGS)

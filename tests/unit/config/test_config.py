@@ -127,3 +127,11 @@ def test_resume_cannot_change_the_data_slots():
         _check_resumable(load_config(None, ["diloco.max_replicas=3"]), saved)
     assert e.value.problems == ["diloco.max_replicas = 3: the checkpoint was trained with 2; it cannot change on resume"]
     _check_resumable(load_config(None, ["diloco.max_replicas=2", "diloco.sync_timeout_s=5"]), saved)
+
+
+def test_outer_shards_of_the_dp_baseline_are_refused():
+    """The DP baseline has no outer optimiser: K outer shards there were accepted and did nothing
+    (a fresh user's finding); one line now, as for its spares and elastic replicas."""
+    with pytest.raises(ConfigError, match=r"^diloco.outer_shards = 2: outer shards need algorithm: diloco"):
+        load_config(None, ["algorithm=dp", "diloco.outer_shards=2"])
+    assert load_config(None, ["algorithm=dp"]).diloco.outer_shards == 1
