@@ -284,15 +284,10 @@ class _Recovery:
                 off = "diloco.outer_shard_backup is off" if not self.enabled else "no copy of it was kept yet"
                 raise d.stop_run(f"outer-optimiser shard {todo[0]} died ({type(why).__name__}) and {off}")
             await asyncio.gather(*(t for ts in self.keeping.values() for t in ts), return_exceptions=True)
-            for i in todo:
+            infos: dict[int, dict[str, Any]] = {}
+            for i in todo:  # every lost shard started again first: a node may hold several (not neighbours)
                 try:
-                    info = await d.shards.replace(i)
-                    await self._recheck(i)
-                    redone = await self._redo(i, info["versions"])
-                    behind = sorted(f for f, us in self.unbacked.items() if us)
-                    if behind:  # steps whose copies went to the dead shard: sent again from the live ones
-                        await self._send_copies(behind)
-                    self.unbacked.clear()
+                    infos[i] = await d.shards.replace(i)
                 except ShardLost as e:  # its keeper (or the shard it keeps a copy of) died too
                     raise d.stop_run(f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
                                      "or whose copy it kept: the outer state is lost") from None  # fmt: skip
@@ -300,8 +295,35 @@ class _Recovery:
                     raise d.stop_run(
                         f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
                     ) from None
-                d.book.event("shard_recovered", None, shard=i, node=info["node"][:12],
-                         seconds=round(info["seconds"], 2), redone=redone)  # fmt: skip
+            redone = await self._catch_up(todo, infos)
+            for i in todo:
+                d.book.event("shard_recovered", None, shard=i, node=infos[i]["node"][:12],
+                             seconds=round(infos[i]["seconds"], 2), redone=redone[i])  # fmt: skip
+
+    async def _catch_up(self, todo: list[int], infos: dict[int, dict[str, Any]]) -> dict[int, list[int]]:
+        """The rebuilt shards ``todo`` brought level with the run: open rounds checked again, missed
+        steps taken again; then the steps whose copies went to a dead shard sent again from every
+        shard. Returns each one's steps taken again.
+
+        Raises:
+            RuntimeError: (stop_run) a shard died meanwhile, or a step cannot be taken again."""
+        d, redone = self.d, {}
+        try:
+            for i in todo:
+                await self._recheck(i)
+                redone[i] = await self._redo(i, infos[i]["versions"])
+            behind = sorted(f for f, us in self.unbacked.items() if us)
+            if behind:
+                await self._send_copies(behind)
+            self.unbacked.clear()
+        except ShardLost as e:
+            raise d.stop_run(f"outer-optimiser shard {e.shard} died while shard(s) {todo} were rebuilt: "
+                             "the outer state is lost") from None  # fmt: skip
+        except Exception as e:
+            raise d.stop_run(
+                f"outer-optimiser shard(s) {todo} died and could not be rebuilt: {type(e).__name__}: {e}"
+            ) from None
+        return redone
 
     async def _recheck(self, i: int) -> None:
         """The open rounds' kept pseudo-gradients checked again on the new shard ``i``. A part whose

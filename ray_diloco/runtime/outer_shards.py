@@ -507,18 +507,17 @@ class ShardGroup:
         return full
 
     def _rebuild_nodes(self, i: int) -> list[str]:
-        """Where a rebuilt shard ``i`` may go, best first: a live node holding no other shard, then
-        one holding others, then the driver's node, and last its ring neighbours' nodes (its
-        keeper's and the one whose copy it keeps: a node's loss would take both), and the dead
-        shard's own node (the cluster may still list it as alive for a while)."""
+        """Where a rebuilt shard ``i`` may go, best first: a replica's node holding no other shard,
+        then one holding others, then the driver's node, then its ring neighbours' nodes (its
+        keeper's and the one whose copy it keeps: that node's loss would take both), and last the
+        dead shard's own node (the cluster may still list it as alive for a while). A neighbour on
+        the driver's node costs nothing: that node's loss ends the run anyway."""
         pool, here = _live_nodes()
-        near = {self.nodes[self.buddy(i)], self.nodes[(i - 1) % self.k]}
+        gone = self.nodes[i]
+        near = {self.nodes[self.buddy(i)], self.nodes[(i - 1) % self.k]} - {here}
         held = {n for j, n in enumerate(self.nodes) if j != i}
-        worst = near | {self.nodes[i]}
-        ranked = sorted(pool, key=lambda n: (n in worst, n in held, n))
-        if here not in ranked and here not in worst:
-            ranked.insert(sum(1 for n in ranked if n not in worst), here)
-        return ranked
+        candidates = list(dict.fromkeys([*pool, here]))
+        return sorted(candidates, key=lambda n: (n == gone, n in near, n == here, n in held, n))
 
     async def replace(self, i: int) -> dict[str, Any]:
         """Start a new shard ``i`` on a live node, restored from the copy its buddy keeps, and give

@@ -195,7 +195,7 @@ class DiLoCoSync(SyncStrategy):
         d = c.diloco
         where = f"on a node with resource {d.driver_resource!r}" if d.driver_resource else "on the job's node"
         shards = (
-            f"{d.outer_shards} shards on the replicas' nodes, each copied to the next: {'on' if d.outer_shard_backup else 'off'}"
+            f"{d.outer_shards} shards (kept apart from their copies), each copied to the next: {'on' if d.outer_shard_backup else 'off'}"
             if d.outer_shards > 1
             else "its state in the driver"
         )

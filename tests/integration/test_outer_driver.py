@@ -354,3 +354,43 @@ def test_a_shard_rebuilt_on_a_node_that_is_gone_is_started_on_the_next(ray_sessi
     assert after == before and group.gens == [1, 0]
     for a in group.actors:
         ray.kill(a)
+
+
+def test_two_shards_lost_together_that_do_not_keep_each_others_copy_are_both_rebuilt(ray_session):
+    """K = 4: shards 1 and 3 (on one node, as placement puts them on 3 nodes) die together. Their
+    keepers (2 and 0) live, so both are rebuilt and the rounds go on with the bits of a driver that
+    lost nothing. (They were rebuilt one by one, and the first one's copies sent to every shard
+    found the second still dead: the run stopped as if a keeper had died; a break-it run.)"""
+    import os
+    import signal
+
+    from helpers import alive, wait_for
+
+    from ray_diloco.runtime.driver import OuterDriverActor
+
+    ray = ray_session
+    cfg = load_config({"diloco": {"outer_shards": 4}})
+    theta = [np.random.default_rng(9).standard_normal(n).astype(np.float32) for n in SIZES]
+
+    def rounds(kill: bool):
+        d = OuterDriverActor.remote([t.copy() for t in theta], cfg.to_dict())
+        for k, s in enumerate((5, 10, 15)):
+            if kill and s == 10:
+                pids = ray.get(d.outer_pids.remote())
+                for shard in (1, 3):
+                    os.kill(pids[1 + shard], signal.SIGKILL)
+                wait_for(lambda p=pids: not alive(p[2]) and not alive(p[4]), 10, "shards 1 and 3 to die")
+            for f, n in enumerate(SIZES):
+                ds = [torch.from_numpy(d_) for d_ in pseudo_gradients(100 * s + f, n, 2)]
+                replies = ray.get([d.exchange.remote(f, s, m, 1.0, _split(lambda y: y.numpy(), ds[m], 4), k)
+                                   for m in range(2)])  # fmt: skip
+                assert [r.status for r in replies] == ["ok", "ok"], replies
+        events = [e for e in ray.get(d.take_events.remote()) if e["event"] == "shard_recovered"]
+        out = ray.get(d.global_params.remote()), ray.get(d.state_hash.remote()), events
+        ray.kill(d)
+        return out
+
+    g0, h0, _ = rounds(kill=False)
+    g1, h1, events = rounds(kill=True)
+    assert sorted(e["shard"] for e in events) == [1, 3], events
+    assert h1 == h0 and all(np.array_equal(a, b) for a, b in zip(g0, g1))

@@ -107,3 +107,19 @@ def test_a_shard_and_the_shard_keeping_its_copy_never_share_a_node_when_there_ar
             assert nodes.count("driver") == (1 if n == 2 and k % 2 == 1 and k > 1 else 0)
     assert D.ring_placement(3, ["a", "b"]) == ["a", "b", "a"]  # no spare node: as before
     assert D.ring_placement(2, []) == [None, None]
+
+
+def test_a_rebuilt_shard_goes_where_one_node_loss_cannot_take_it_with_a_neighbour(monkeypatch):
+    """K = 3 on two replica nodes p0, p1 (shard 2 on the driver's node): p0 dies. Shard 0's ring
+    neighbours are on p1 and the driver's node; the rebuild went to p1, beside its keeper (a
+    break-it run: the next loss of p1 ended the run). The driver's node comes first now (a
+    neighbour there costs nothing: its loss ends the run anyway), the dead node, still listed, last."""
+    group = object.__new__(D.ShardGroup)
+    group.k, group.nodes = 3, ["p0", "p1", "head"]
+    monkeypatch.setattr(D, "_live_nodes", lambda: (["p0", "p1"], "head"))
+    assert group._rebuild_nodes(0) == ["head", "p1", "p0"]
+    monkeypatch.setattr(D, "_live_nodes", lambda: (["new", "p0", "p1"], "head"))  # a node joined: it first
+    assert group._rebuild_nodes(0)[0] == "new"
+    group.k, group.nodes = 4, ["a", "b", "c", "b"]  # K = 4 on 3 nodes: b lost with shards 1 and 3
+    monkeypatch.setattr(D, "_live_nodes", lambda: (["a", "b", "c"], "head"))
+    assert group._rebuild_nodes(1) == ["head", "a", "c", "b"] and group._rebuild_nodes(3)[0] == "head"

@@ -69,7 +69,7 @@ def test_headers_and_fragment_checks():
     assert lines[2] == "outer optimiser: driver on the job's node, its state in the driver"  # where it runs, said
     sharded = load_config(overrides=["diloco.outer_shards=3", "diloco.driver_resource=outer_host"])
     assert DiLoCoSync(sharded).header(2)[-1] == ("outer optimiser: driver on a node with resource 'outer_host', "
-                                                 "3 shards on the replicas' nodes, each copied to the next: on")
+                                                 "3 shards (kept apart from their copies), each copied to the next: on")
     frags = plan_fragments([ParamSpec(f"layers.{i}.w", (10,)) for i in range(9)], 9)
     assert DiLoCoSync(cfg).plan(frags[:3]) and not DiLoCoSync(cfg).plan(frags[:1])  # 20 x 3 >= 50
     s = DiLoCoSync(cfg)
