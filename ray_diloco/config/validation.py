@@ -67,6 +67,21 @@ def _one_of(e: list[str], key: str, value: Any, allowed: tuple[str, ...]) -> Non
 
 def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _one_of(e, "algorithm", cfg.algorithm, ALGORITHMS)
+    d = cfg.diloco
+    if cfg.algorithm != "dp":
+        return
+    if d.spare_replicas:  # the DP baseline: one fixed DDP group, no outer optimiser
+        e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
+    if d.outer_shards != 1:
+        e.append(
+            f"diloco.outer_shards = {d.outer_shards}: outer shards need algorithm: diloco "
+            "(the DP baseline has no outer optimiser); leave it at 1"
+        )
+    if (d.max_replicas or d.replicas) != d.replicas:
+        e.append(
+            f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
+            "(the DP baseline is one fixed DDP group)"
+        )
 
 
 #: Ray's own resources: an actor asks for them with num_cpus/num_gpus/memory, never by name
@@ -120,13 +135,6 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
         d.spare_replicas,
         f"must be an integer in [0, max(diloco.replicas, diloco.max_replicas) = {cfg.num_slots}]",
     )
-    if cfg.algorithm == "dp" and d.spare_replicas:
-        e.append(f"diloco.spare_replicas = {d.spare_replicas}: spares need algorithm: diloco")
-    if cfg.algorithm == "dp" and d.outer_shards != 1:
-        e.append(
-            f"diloco.outer_shards = {d.outer_shards}: outer shards need algorithm: diloco "
-            "(the DP baseline has no outer optimiser); leave it at 1"
-        )
     _one_of(e, "diloco.join_inner_state", d.join_inner_state, JOIN_INNER_STATES)
     _one_of(e, "diloco.replica_nodes", d.replica_nodes, REPLICA_NODES)
     _one_of(e, "diloco.sharding", d.sharding, SHARDINGS)
@@ -151,11 +159,6 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
             "diloco.sharding",
             d.sharding,
             f"fsdp is for DiLoCo replicas; the {cfg.algorithm} baseline uses DDP",
-        )
-    if cfg.algorithm == "dp" and (d.max_replicas or d.replicas) != d.replicas:
-        e.append(
-            f"diloco.max_replicas = {d.max_replicas!r}: elastic replicas need algorithm: diloco "
-            "(the DP baseline is one fixed DDP group)"
         )
 
 

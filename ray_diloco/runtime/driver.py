@@ -96,6 +96,21 @@ class _Stepped:
     version: int  # the fragment's version after it
 
 
+async def _replace_shard(d: OuterDriver, i: int) -> dict[str, Any]:
+    """``ShardGroup.replace`` of the driver ``d``'s shard ``i``, its failure the run's end (one line).
+
+    Raises:
+        RuntimeError: (stop_run) its keeper or the shard whose copy it keeps is lost too, or it
+            could not be started."""
+    try:
+        return await d.shards.replace(i)
+    except ShardLost as e:  # its keeper (or the shard it keeps a copy of) died too
+        raise d.stop_run(f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
+                         "or whose copy it kept: the outer state is lost") from None  # fmt: skip
+    except Exception as e:
+        raise d.stop_run(f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}") from None
+
+
 class _Recovery:
     """The driver's side of surviving a shard's loss (``runtime.outer_shards``): calls that rebuild
     a dead shard and call it again, the copies sent after each outer step, and the rebuild itself
@@ -224,15 +239,19 @@ class _Recovery:
         args = [(fragment, step, terms, r.average_only)] * d.shards.k
         await self.idle()
         r.stepping = True
+        gens = list(d.shards.gens)
         outs = await d.shards.each("step", args)
         lost = [o for o in outs if isinstance(o, ShardLost)]
         if lost:
             await self.recover(lost)
+            # every shard rebuilt meanwhile steps again: also one whose (dead) actor had answered
+            # (a node held it and a lost one): its rebuild restored the state before this step
+            again_on = [i for i in range(d.shards.k) if isinstance(outs[i], ShardLost) or d.shards.gens[i] != gens[i]]
             args = [(fragment, step, _partial(d, i, fragment, step, terms, r.lost.get(i, set())), r.average_only)
                     for i in range(d.shards.k)]  # fmt: skip
-            again = await d.shards.each("step", args, [o.shard for o in lost])
-            for o in lost:
-                outs[o.shard] = again[o.shard]
+            again = await d.shards.each("step", args, again_on)
+            for i in again_on:
+                outs[i] = again[i]
         return outs
 
     def after_step(self, fragment: int, stepped: _Stepped, replies: list[Any]) -> None:
@@ -285,29 +304,33 @@ class _Recovery:
                 raise d.stop_run(f"outer-optimiser shard {todo[0]} died ({type(why).__name__}) and {off}")
             await asyncio.gather(*(t for ts in self.keeping.values() for t in ts), return_exceptions=True)
             infos: dict[int, dict[str, Any]] = {}
-            for i in todo:  # every lost shard started again first: a node may hold several (not neighbours)
+            redone: dict[int, list[int]] = {}
+            pending = todo
+            for _ in range(d.shards.k):
+                for i in pending:  # every lost shard started again first: a node may hold several
+                    infos[i] = await _replace_shard(d, i)
                 try:
-                    infos[i] = await d.shards.replace(i)
-                except ShardLost as e:  # its keeper (or the shard it keeps a copy of) died too
-                    raise d.stop_run(f"outer-optimiser shard {i} died and so did shard {e.shard}, which kept its copy "
-                                     "or whose copy it kept: the outer state is lost") from None  # fmt: skip
-                except Exception as e:
-                    raise d.stop_run(
-                        f"outer-optimiser shard {i} died and could not be rebuilt: {type(e).__name__}: {e}"
-                    ) from None
-            redone = await self._catch_up(todo, infos)
-            for i in todo:
+                    await self._catch_up(pending, infos, redone)
+                    break
+                except ShardLost as e:  # another shard of a lost node, found dead on the way: rebuilt too
+                    if e.shard in infos or d.shards.gens[e.shard] != e.gen:
+                        raise d.stop_run(f"outer-optimiser shard {e.shard} died while shard(s) {sorted(infos)} "
+                                         "were rebuilt: the outer state is lost") from None  # fmt: skip
+                    pending = [e.shard]
+            else:
+                raise d.stop_run(f"outer-optimiser shards {sorted(infos)} kept dying while they were rebuilt")
+            for i in sorted(infos):
                 d.book.event("shard_recovered", None, shard=i, node=infos[i]["node"][:12],
-                             seconds=round(infos[i]["seconds"], 2), redone=redone[i])  # fmt: skip
+                             seconds=round(infos[i]["seconds"], 2), redone=redone.get(i, []))  # fmt: skip
 
-    async def _catch_up(self, todo: list[int], infos: dict[int, dict[str, Any]]) -> dict[int, list[int]]:
+    async def _catch_up(self, todo: list[int], infos: dict[int, dict[str, Any]], redone: dict[int, list[int]]) -> None:
         """The rebuilt shards ``todo`` brought level with the run: open rounds checked again, missed
-        steps taken again; then the steps whose copies went to a dead shard sent again from every
-        shard. Returns each one's steps taken again.
+        steps taken again (into ``redone``); then the steps whose copies went to a dead shard sent
+        again from every shard.
 
         Raises:
-            RuntimeError: (stop_run) a shard died meanwhile, or a step cannot be taken again."""
-        d, redone = self.d, {}
+            ShardLost: another shard found dead on the way (the caller rebuilds it too).
+            RuntimeError: (stop_run) a step cannot be taken again."""
         try:
             for i in todo:
                 await self._recheck(i)
@@ -316,14 +339,12 @@ class _Recovery:
             if behind:
                 await self._send_copies(behind)
             self.unbacked.clear()
-        except ShardLost as e:
-            raise d.stop_run(f"outer-optimiser shard {e.shard} died while shard(s) {todo} were rebuilt: "
-                             "the outer state is lost") from None  # fmt: skip
+        except ShardLost:
+            raise
         except Exception as e:
-            raise d.stop_run(
+            raise self.d.stop_run(
                 f"outer-optimiser shard(s) {todo} died and could not be rebuilt: {type(e).__name__}: {e}"
             ) from None
-        return redone
 
     async def _recheck(self, i: int) -> None:
         """The open rounds' kept pseudo-gradients checked again on the new shard ``i``. A part whose
