@@ -237,8 +237,7 @@ class _Recovery:
         part died with it)."""
         d = self.d
         args = [(fragment, step, terms, r.average_only)] * d.shards.k
-        await self.idle()
-        r.stepping = True
+        r.stepping = True  # the caller waited for any rebuild (idle) just before: no await since
         gens = list(d.shards.gens)
         outs = await d.shards.each("step", args)
         lost = [o for o in outs if isinstance(o, ShardLost)]
@@ -540,6 +539,9 @@ class _Rounds:
     async def _step_round(self, fragment: int, step: int, r: Round) -> Finished:
         """The outer step on every shard with the book's ordered terms (replica-id order), or a
         failed round without quorum."""
+        # the terms after any rebuild in progress: its recheck drops a part that died with its node
+        # (a rebuilt shard never holds it); nothing awaits between them and the step's calls
+        await self.d.recovery.idle()
         terms = self.d.book.terms(fragment, step)
         if terms is None:
             await self.d.recovery.all("discard", fragment, step)
