@@ -25,12 +25,13 @@ def raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def connect_ray(address: str | None, field: str, **options: Any) -> bool:
+def connect_ray(address: str | None, field: str, local: dict[str, Any] | None = None, **options: Any) -> bool:
     """Join the Ray cluster at ``address`` (``auto``: the one running on this machine; HOST:PORT;
     ``ray://``), else the one ``RAY_ADDRESS`` names (a job under ``ray job submit``), else start
     a local cluster of this process's own (``local`` says so too), also when a cluster another
     process started runs on this machine (a plain ``ray.init()`` would join the one
-    ``/tmp/ray/ray_current_cluster`` names). ``options`` go to ``ray.init``. Returns True when
+    ``/tmp/ray/ray_current_cluster`` names). ``options`` go to ``ray.init``, and ``local`` too
+    when it starts a local cluster (what only a new cluster may be given). Returns True when
     Ray was started or joined here (False: it already was).
 
     Raises:
@@ -43,18 +44,23 @@ def connect_ray(address: str | None, field: str, **options: Any) -> bool:
         return False
     env = os.environ.get("RAY_ADDRESS") or None
     target, where = (address, field) if address else (env, "RAY_ADDRESS") if env else (None, field)
-    local = target in (None, "local")
-    if not local:
+    starts = target in (None, "local")
+    if not starts:
         check_reachable(target, where)
     try:
-        ray.init(address="local" if local else target, logging_level=logging.ERROR, **options)
+        ray.init(
+            address="local" if starts else target,
+            logging_level=logging.ERROR,
+            **options,
+            **(local or {} if starts else {}),
+        )
     except SystemExit as e:  # SIGTERM while ray.init runs: Ray's own handler calls sys.exit(15)
         if not (GRACEFUL_SIGTERM and e.code == signal.SIGTERM):
             raise
         ray.shutdown()  # what it had started
         raise KeyboardInterrupt from None
     except Exception as e:  # noqa: BLE001 - Ray raises bare Exception too ("node timed out during startup")
-        what = "cannot start a local Ray cluster" if local else "cannot connect to a Ray cluster"
+        what = "cannot start a local Ray cluster" if starts else "cannot connect to a Ray cluster"
         raise ClusterError(f"{where} = {target!r}: {what} ({error_line(e, typed=False)})") from None
     if GRACEFUL_SIGTERM and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, raise_keyboard_interrupt)

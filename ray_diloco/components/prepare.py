@@ -429,11 +429,9 @@ def _init_ray(address: str | None) -> bool:
 
     logging.getLogger("ray.data").setLevel(logging.CRITICAL)
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
-    # RAY_ADDRESS (set under `ray job submit`) joins that cluster: the object store is then the
-    # cluster's, so no size may be given
-    local = not (address or os.environ.get("RAY_ADDRESS")) or address == "local"
-    return connect_ray(address, "--address", include_dashboard=False, log_to_driver=False,
-                       object_store_memory=max(OBJECT_STORE_BYTES * 2, 1 << 30) if local else None)  # fmt: skip
+    # a cluster joined (RAY_ADDRESS under `ray job submit`) has its own object store: sized only here
+    store = {"object_store_memory": max(OBJECT_STORE_BYTES * 2, 1 << 30)}
+    return connect_ray(address, "--address", local=store, include_dashboard=False, log_to_driver=False)
 
 
 def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str, Any]:

@@ -10,7 +10,6 @@ group that forms a single DDP group.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +59,7 @@ def init_ray(cfg: Config) -> bool:
     Raises:
         ClusterError: when the address cannot be reached or Ray cannot start.
     """
-    address = cfg.run.address or os.environ.get("RAY_ADDRESS")
-    return connect_ray(cfg.run.address, "run.address", log_to_driver=True,
-                       include_dashboard=False if address in (None, "local") else None)  # fmt: skip
+    return connect_ray(cfg.run.address, "run.address", local={"include_dashboard": False}, log_to_driver=True)
 
 
 MIN_AUTO_CPUS = 0.5  # the least CPU share per worker that "auto" hands out

@@ -40,10 +40,12 @@ def test_with_no_address_a_command_starts_a_ray_of_its_own(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert connect_ray(None, "run.address", log_to_driver=True)
+    assert connect_ray(None, "run.address", local={"object_store_memory": 1 << 30}, log_to_driver=True)
     assert calls[-1]["address"] == "local" and calls[-1]["log_to_driver"] is True
-    connect_ray("auto", "run.address")
+    assert calls[-1]["object_store_memory"] == 1 << 30  # what only a new cluster is given
+    connect_ray("auto", "run.address", local={"object_store_memory": 1 << 30})
     assert calls[-1]["address"] == "auto"  # joins the cluster running on this machine, asked for
+    assert "object_store_memory" not in calls[-1]
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
     connect_ray(None, "run.address")
     assert calls[-1]["address"] == "ray://head:10001"  # a job's cluster
