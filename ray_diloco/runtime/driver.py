@@ -80,8 +80,10 @@ def _combine_norms(norms: list[float]) -> float:
 
 
 def _object_lost(e: BaseException) -> bool:
-    """A pseudo-gradient whose object died with its node or its owner (the sending replica)."""
-    return isinstance(e, ray.exceptions.ObjectLostError)
+    """An object that died with its node or its owner (a pseudo-gradient: the sending replica; a
+    copy: the shard that put it), raised as is or as the cause of a task's error."""
+    cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+    return isinstance(e, ray.exceptions.ObjectLostError) or isinstance(cause, ray.exceptions.ObjectLostError)
 
 
 @dataclass
@@ -201,14 +203,18 @@ class _Recovery:
 
     async def all_keep(self, refs: list[Any], values: list[Any] | None = None) -> list[Any]:
         """Shard ``b`` keeps ``refs[(b - 1) % K]`` (each shard's copy goes to its buddy; with
-        ``values``, the global slice left out of it); raises the first error."""
-        k = self.d.shards.k
+        ``values``, the global slice left out of it); raises the first error, a copy that died
+        with the shard that put it (its node was lost after it answered) as that shard's
+        :class:`ShardLost`."""
+        k, gens = self.d.shards.k, list(self.d.shards.gens)
         for o in refs:
             if isinstance(o, BaseException):
                 raise o
         per = [((b - 1) % k, refs[(b - 1) % k], None if values is None else values[(b - 1) % k]) for b in range(k)]
         outs = await self.d.shards.each("keep", per)
-        for o in outs:
+        for b, o in enumerate(outs):
+            if isinstance(o, BaseException) and _object_lost(o):
+                raise ShardLost((b - 1) % k, gens[(b - 1) % k], o)
             if isinstance(o, BaseException):
                 raise o
         return outs
@@ -240,14 +246,17 @@ class _Recovery:
         r.stepping = True  # the caller waited for any rebuild (idle) just before: no await since
         gens = list(d.shards.gens)
         outs = await d.shards.each("step", args)
-        lost = [o for o in outs if isinstance(o, ShardLost)]
-        if lost:
-            await self.recover(lost)
-            # every shard rebuilt meanwhile steps again: also one whose (dead) actor had answered
-            # (a node held it and a lost one): its rebuild restored the state before this step
+        for _ in range(d.shards.k + 1):  # each round of losses rebuilds at least one shard
+            await self.recover([o for o in outs if isinstance(o, ShardLost)])  # also waits for one another call began
+            # every shard rebuilt since its step steps again: also one whose (dead) actor had
+            # answered (a node held it and a lost one) or that another call rebuilt meanwhile:
+            # its rebuild restored the state before this step
             again_on = [i for i in range(d.shards.k) if isinstance(outs[i], ShardLost) or d.shards.gens[i] != gens[i]]
+            if not again_on:
+                break
             args = [(fragment, step, _partial(d, i, fragment, step, terms, r.lost.get(i, set())), r.average_only)
                     for i in range(d.shards.k)]  # fmt: skip
+            gens = list(d.shards.gens)
             again = await d.shards.each("step", args, again_on)
             for i in again_on:
                 outs[i] = again[i]
@@ -304,18 +313,16 @@ class _Recovery:
             await asyncio.gather(*(t for ts in self.keeping.values() for t in ts), return_exceptions=True)
             infos: dict[int, dict[str, Any]] = {}
             redone: dict[int, list[int]] = {}
-            pending = todo
-            for _ in range(d.shards.k):
-                for i in pending:  # every lost shard started again first: a node may hold several
+            start, behind = todo, list(todo)
+            for _ in range(2 * d.shards.k):
+                for i in start:  # every lost shard started again first: a node may hold several
                     infos[i] = await _replace_shard(d, i)
                 try:
-                    await self._catch_up(pending, infos, redone)
+                    await self._catch_up(behind, infos, redone)
                     break
-                except ShardLost as e:  # another shard of a lost node, found dead on the way: rebuilt too
-                    if e.shard in infos or d.shards.gens[e.shard] != e.gen:
-                        raise d.stop_run(f"outer-optimiser shard {e.shard} died while shard(s) {sorted(infos)} "
-                                         "were rebuilt: the outer state is lost") from None  # fmt: skip
-                    pending = [e.shard]
+                except ShardLost as e:  # another shard of a lost node, or a new one, found dead on the way
+                    start = [e.shard] if d.shards.gens[e.shard] == e.gen else []  # rebuilt again from its copy
+                    behind = sorted(set(behind) | set(start))  # _catch_up left out those it finished
             else:
                 raise d.stop_run(f"outer-optimiser shards {sorted(infos)} kept dying while they were rebuilt")
             for i in sorted(infos):
@@ -324,16 +331,17 @@ class _Recovery:
 
     async def _catch_up(self, todo: list[int], infos: dict[int, dict[str, Any]], redone: dict[int, list[int]]) -> None:
         """The rebuilt shards ``todo`` brought level with the run: open rounds checked again, missed
-        steps taken again (into ``redone``); then the steps whose copies went to a dead shard sent
-        again from every shard.
+        steps taken again (into ``redone``); each is removed from ``todo`` once caught up; then the
+        steps whose copies went to a dead shard sent again from every shard.
 
         Raises:
-            ShardLost: another shard found dead on the way (the caller rebuilds it too).
+            ShardLost: a shard found dead on the way, another or a new one (the caller rebuilds it).
             RuntimeError: (stop_run) a step cannot be taken again."""
         try:
-            for i in todo:
+            for i in list(todo):
                 await self._recheck(i)
                 redone[i] = await self._redo(i, infos[i]["versions"])
+                todo.remove(i)  # caught up: not again if another shard dies below
             behind = sorted(f for f, us in self.unbacked.items() if us)
             if behind:
                 await self._send_copies(behind)
@@ -359,6 +367,8 @@ class _Recovery:
                 continue
             for m, parts in sorted(r.parts.items()):
                 out = (await d.shards.each("check", [(f, s, m, [parts[i]])] * d.shards.k, [i]))[i]
+                if isinstance(out, ShardLost):
+                    raise out
                 if isinstance(out, BaseException):
                     if not _object_lost(out):
                         raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f}: {out}")
@@ -389,12 +399,16 @@ class _Recovery:
         d, lost = self.d, set()
         for m, parts in sorted(u.parts.items()):
             out = (await d.shards.each("check", [(f, u.step, m, [parts[i]])] * d.shards.k, [i]))[i]
+            if isinstance(out, ShardLost):
+                raise out
             if isinstance(out, BaseException):
                 if not _object_lost(out):
                     raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
                 lost.add(m)
         terms = _partial(d, i, f, u.step, u.terms, lost)
         out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
+        if isinstance(out, ShardLost):
+            raise out
         if isinstance(out, BaseException) or out[3] != u.version:
             raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
         rec = d.book.finished.get((f, u.step))
@@ -682,8 +696,11 @@ class OuterDriver:
             RuntimeError: the shards got out of step (a shard's step failed while others' did not)."""
         if self.broken:
             raise RuntimeError(self.broken)
-        if self.shards.actors:
-            await self.recovery.all("ping")  # a dead shard is rebuilt first (diloco.outer_shard_backup)
+        if self.shards.actors and not self.recovery.lock.locked():
+            # a dead shard is rebuilt first (diloco.outer_shard_backup); during a rebuild the driver
+            # answers alone (the rebuild may wait on Ray to declare a dead node's objects lost, and
+            # its own failure stops the run: the next ping raises it)
+            await self.recovery.all("ping")
         return os.getpid()
 
     async def outer_pids(self) -> list[int]:

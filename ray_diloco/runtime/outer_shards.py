@@ -103,6 +103,9 @@ class OuterShard:
         # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
         self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
 
+    def __repr__(self) -> str:  # Ray's name for the actor in its logs and state API (`ray list actors`)
+        return f"OuterShard({self.shard}/{self.shards})"
+
     async def _maths(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -366,10 +369,6 @@ class OuterShard:
             self.opt.steps[f] = int(e["steps"])
             self.versions[f] = int(e["version"])
         self.downlink.load_state_dict([e["residual"] for e in entries])
-
-
-#: A shard as a Ray actor (K > 1). No CPU reserved (like the driver): its maths sets its own threads.
-OuterShardActor = ray.remote(num_cpus=0)(OuterShard)
 
 
 def _as_numpy(v: Any) -> Any:
