@@ -126,10 +126,10 @@ class StoreWriter:
         if flushed:
             self._save_state()
 
-    def _write_shard(self, split: str, n: int) -> None:
+    def _write_shard(self, split: str, n: int, suffix: str = "") -> None:
         data = np.concatenate(self.buf[split]) if len(self.buf[split]) != 1 else self.buf[split][0]
         shard, rest = data[:n], data[n:]
-        name = f"{split}-{len(self.shards[split]):05d}.bin"
+        name = f"{split}-{len(self.shards[split]):05d}{suffix}.bin"
         raw = np.ascontiguousarray(shard).data.cast("B")
         self.loc.write_bytes(name, raw)
         self.shards[split].append(
@@ -152,16 +152,26 @@ class StoreWriter:
         np.savez(out, state=np.frombuffer(json.dumps(state).encode(), dtype=np.uint8), **carry)
         self.loc.write_bytes(STATE, out.getbuffer())
 
-    def finish(self, tokenizer: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, tokenizer: Any, meta: dict[str, Any], tail: float | None = None) -> dict[str, Any]:
         """Write the last (shorter) shards, the tokenizer and, last, the manifest; returns it.
         ``meta`` (source, split method, order, ...) is stored in the manifest as is.
 
+        ``tail``: the tail split (``data.path``'s rule; ``prepare --val-split tail``): every token
+        was added to ``train`` and its last :func:`tail_tokens` ``(total, tail)`` become ``val``.
+        The finished train shards that held some are written again under new names (``-tail``) and
+        the old files deleted once the manifest is written, so a prepare killed meanwhile continues
+        intact; a stream that never filled a shard gets the plain names.
+
         Raises:
-            DataError: a split is empty.
+            DataError: a split is empty, or ``tail`` with tokens added to ``val``.
         """
+        replaced = self._split_tail(tail) if tail is not None else []
+        suffix = "-tail" if replaced else ""  # never a finished shard's name for other tokens
         for s in SPLITS:
+            while self.buffered[s] > self.shard_tokens:
+                self._write_shard(s, self.shard_tokens, suffix)
             if self.buffered[s]:
-                self._write_shard(s, self.buffered[s])
+                self._write_shard(s, self.buffered[s], suffix)
         if not self.shards["train"]:
             raise DataError("no training tokens: every document went to the validation split or was empty")
         with tempfile.TemporaryDirectory() as tmp:
@@ -183,8 +193,35 @@ class StoreWriter:
             **meta,
         }
         self.loc.write_bytes(MANIFEST, json.dumps(manifest, indent=1).encode())
+        for name in replaced:
+            self.loc.delete(name)
         self.loc.delete(STATE)
         return manifest
+
+    def _split_tail(self, fraction: float) -> list[str]:
+        """Move the stream's last ``tail_tokens(total, fraction)`` tokens from ``train`` to
+        ``val``'s buffer, reading back the finished train shards that hold them; returns their
+        files (deleted after the manifest)."""
+        if self.shards["val"] or self.buffered["val"]:
+            raise DataError("a tail split takes every token as train first: tokens were added to val")
+        total = sum(e["tokens"] for e in self.shards["train"]) + self.buffered["train"]
+        n_val, have = tail_tokens(total, fraction), self.buffered["train"]
+        back: list[np.ndarray] = []
+        replaced: list[str] = []
+        while have < n_val and self.shards["train"]:
+            e = self.shards["train"].pop()
+            raw = self.loc.read_bytes(e["file"])
+            if raw is None or len(raw) != e["tokens"] * self.dtype.itemsize:
+                raise DataError(f"--out {self.loc.where!r}: {e['file']} is missing or was changed while prepare ran")
+            back.insert(0, np.frombuffer(raw, dtype=self.dtype))
+            replaced.append(e["file"])
+            have += e["tokens"]
+        parts = back + self.buf["train"]
+        data = np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        cut = len(data) - n_val
+        self.buf["train"], self.buffered["train"] = ([data[:cut]] if cut else []), cut
+        self.buf["val"], self.buffered["val"] = ([data[cut:]] if n_val else []), n_val
+        return replaced
 
 
 # ---------------------------------------------------------------------------------------
@@ -474,20 +511,28 @@ class _ShardIO:
                 a, k = end, k + 1
 
 
+def tail_tokens(total: int, fraction: float) -> int:
+    """The validation tokens of the tail split of a ``total``-token stream: the last
+    ``round(total * fraction)`` (``data.path``'s rule, in memory and in a store alike)."""
+    return int(round(total * fraction))
+
+
 def write_store(
     out: str,
     tokenizer: Any,
     train: np.ndarray,
-    val: np.ndarray,
+    val: np.ndarray | None,
     meta: dict[str, Any],
     shard_tokens: int = SHARD_TOKENS,
     vocab_size: int | None = None,
+    tail: float | None = None,
 ) -> TokenStore:
-    """Write the token streams ``train`` and ``val`` (1-D integer arrays) as a store and open it.
+    """Write the token streams ``train`` and ``val`` (1-D integer arrays; ``val`` None with
+    ``tail``: the tail split of ``train``, :meth:`StoreWriter.finish`) as a store and open it.
     ``vocab_size`` defaults to ``len(tokenizer)``."""
     w = StoreWriter(out, vocab_size or len(tokenizer), shard_tokens)
-    w.add(train, val, {}, (0, 0))
-    w.finish(tokenizer, meta)
+    w.add(train, np.zeros(0, np.int64) if val is None else val, {}, (0, 0))
+    w.finish(tokenizer, meta, tail)
     return TokenStore(out, "--out")
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_diloco.components.data import ShardReader, char_tokenizer
+from ray_diloco.components.data import ShardReader
 from ray_diloco.components.permutation import FeistelPermutation
+from ray_diloco.components.text import char_tokenizer
 from ray_diloco.components.token_store import TokenStore, dtype_for, write_store
 from ray_diloco.errors import DataError
 
@@ -115,3 +116,31 @@ def test_changed_tokenizer_or_missing_manifest_is_refused(store, tmp_path):
     (copy / "manifest.json").unlink()
     with pytest.raises(DataError, match=r"data.prepared = .*: no manifest.json \(prepare one"):
         TokenStore(str(copy))
+
+
+def test_tail_split_in_the_writer_equals_the_in_memory_rule_across_finished_shards(store, tmp_path):
+    """``data.path``'s tail split as an option of the one store writer (issue 28 item 4): the last
+    ``round(total x fraction)`` tokens become val even when finished train shards hold them (read
+    back, written again under new names, the old files deleted after the manifest)."""
+    from ray_diloco.components.token_store import StoreWriter, tail_tokens
+
+    _, ids = store
+    tok = char_tokenizer([store[0].tokenizer().decode(ids.tolist())])
+    for fraction, shard_tokens in [(0.1, 700), (0.5, 400), (0.0, 700), (0.1, 5000)]:
+        out = tmp_path / f"t{fraction}-{shard_tokens}"
+        w = StoreWriter(str(out), len(tok), shard_tokens)
+        for a in range(0, len(ids), 450):  # batches: shards fill up and are written as they go
+            w.add(ids[a : a + 450], np.zeros(0, np.int64), {"at": a})
+        m = w.finish(tok, {"split": {"method": "tail", "val_fraction": fraction}}, tail=fraction)
+        st, cut = TokenStore(str(out)), len(ids) - tail_tokens(len(ids), fraction)
+        np.testing.assert_array_equal(st.split("train").to_array(), ids[:cut])
+        np.testing.assert_array_equal(st.split("val").to_array(), ids[cut:])
+        files = sorted(p.name for p in out.glob("*.bin"))
+        assert files == sorted(e["file"] for s in ("train", "val") for e in m["shards"][s])  # none left behind
+        assert all(e["tokens"] <= shard_tokens for s in ("train", "val") for e in m["shards"][s])
+        if shard_tokens == 5000:  # nothing finished before the split: the plain names
+            assert files == ["train-00000.bin", "val-00000.bin"]
+    w = StoreWriter(str(tmp_path / "bad"), len(tok), 700)
+    w.add(ids[:100], ids[100:200], {})
+    with pytest.raises(DataError, match="tail split"):
+        w.finish(tok, {}, tail=0.1)
