@@ -127,7 +127,7 @@ def gpt2_style_tokenizer(src: Path, out: Path) -> str:
 
 
 def synthetic_store(out: Path, tokens: int):
-    from ray_diloco.components.data import char_tokenizer
+    from ray_diloco.components.text import char_tokenizer
     from ray_diloco.components.token_store import StoreWriter, TokenStore
 
     w = StoreWriter(str(out), 50000, 1 << 25)

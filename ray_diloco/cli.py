@@ -123,7 +123,15 @@ def _add_prepare_command(sub: Any) -> None:
         "--val-fraction",
         type=float,
         default=0.01,
-        help="share of the documents, by hash of their text, held out for validation (default 0.01)",
+        help="share held out for validation (default 0.01): of the documents, by hash of their text, or "
+        "of the tokens, with --val-split tail",
+    )
+    p.add_argument(
+        "--val-split",
+        choices=("hash", "tail"),
+        default="hash",
+        help="hash: a document goes to validation by the crc32 of its text (default); tail: the last "
+        "--val-fraction of the token stream, data.path's rule",
     )
     p.add_argument("--shard-tokens", type=int, default=1 << 25, help="tokens per shard (default 33554432)")
     p.add_argument("--actors", type=int, default=None, help="tokenizer actors (default: one per CPU)")
@@ -145,6 +153,7 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
             bpe_vocab_size=a.bpe_vocab_size,
             text_field=a.text_field,
             val_fraction=a.val_fraction,
+            val_split=a.val_split,
             shard_tokens=a.shard_tokens,
             actors=a.actors,
             progress=not a.no_progress,

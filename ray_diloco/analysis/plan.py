@@ -36,7 +36,7 @@ def plan_vocab_size(cfg: Config) -> int:
     if cfg.data.tokenizer == "bpe":
         return cfg.data.bpe_vocab_size
     if cfg.data.tokenizer != "char":
-        from ray_diloco.components.data import build_tokenizer
+        from ray_diloco.components.text import build_tokenizer
 
         return len(build_tokenizer(cfg.data, []))
     from ray_diloco.components.data import load_corpus

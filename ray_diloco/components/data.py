@@ -1,12 +1,13 @@
-"""Text loading (Hugging Face ``datasets``), tokenisers, packing and disjoint sharding.
+"""A run's corpus: the cache of tokenised local files, packing and disjoint sharding.
 
 * Sources: local ``.txt`` / ``.jsonl`` / ``.json`` / ``.parquet`` / ``.csv`` files (default: the
-  bundled Tiny Shakespeare) or a hub dataset by name (streamed, capped by ``max_documents``).
-* Tokenisers: ``char`` (a character vocabulary built with ``tokenizers``), ``bpe`` (a byte-level
-  BPE trained with ``tokenizers`` on the corpus), or any Hugging Face tokenizer name or path. The
+  bundled Tiny Shakespeare), a hub dataset by name (streamed, capped by ``max_documents``), or a
+  prepared token store. Reading and tokenising: :mod:`~ray_diloco.components.text` (in this
+  process) or :mod:`~ray_diloco.components.prepare` (Ray Data, for a file over
+  ``data.in_process_bytes``); both write the cache entry with the same store writer. The
   tokenizer is saved in the run directory so ``resume``, ``eval`` and the export reuse it.
 * Packing: documents are joined (with the tokenizer's EOS when it has one) into one token stream,
-  split 90/10 (``val_fraction``) into train and validation streams.
+  split 90/10 (``val_fraction``) into train and validation streams (the tail of the stream).
 * Sharding (DiLoCo section 2, "each replica trains on its own shard"): every epoch the train
   windows are permuted with ``(seed, epoch)``; shard ``s`` of ``S`` (one per (replica, rank))
   reads ``perm[s::S]``. No window is read by two shards within an epoch. Each epoch shifts the
@@ -20,49 +21,18 @@ import hashlib
 import json
 import logging
 import os
-import posixpath
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ray_diloco.components.text import build_tokenizer, file_type, load_texts, source_file, tokenize
 from ray_diloco.components.token_store import TokenSplit
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
-from ray_diloco.log import error_line
 
 logger = logging.getLogger(__name__)
-
-BUNDLED_CORPUS = Path(__file__).parents[1] / "data" / "tinyshakespeare.txt"
-#: The file types a corpus is read from, by suffix (``data.path`` and ``ray-diloco prepare`` alike):
-#: ``text`` (a document per file with ``data.path``, a row per line with ``prepare``), ``json``
-#: (JSON lines), ``parquet``, ``csv`` (rows; the text in ``text_field``).
-FILE_TYPES = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-
-
-def file_type(path: str, field: str) -> str:
-    """The :data:`FILE_TYPES` format of ``path`` (by its suffix, any case).
-
-    Raises:
-        DataError: naming ``field`` and the path: an unsupported suffix, with the allowed ones."""
-    kind = FILE_TYPES.get(posixpath.splitext(str(path))[1].lower())
-    if kind is None:
-        raise DataError(
-            f"{field} = {str(path)!r}: unsupported file type {posixpath.splitext(str(path))[1]!r} "
-            f"(allowed: {', '.join(sorted(FILE_TYPES))})"
-        )
-    return kind
-
 
 #: One split of a corpus: an int32 array ``[n_tokens]`` (tokenised in this process) or a token
 #: store's :class:`~ray_diloco.components.token_store.TokenSplit` (same ``len`` and slicing).
@@ -99,186 +69,6 @@ class Corpus:
         for split in (self.train, self.val):
             h.update((split.to_array() if isinstance(split, TokenSplit) else np.asarray(split, np.int32)).tobytes())
         return h.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------
-# loading text
-
-
-def source_file(cfg: DataConfig) -> Path | None:
-    """The local file the corpus comes from (``data.path``, or the bundled Tiny Shakespeare when
-    neither ``path`` nor ``dataset`` is set); None for a hub dataset.
-
-    Raises:
-        DataError: the file is missing or of an unsupported type.
-    """
-    if cfg.path is None and cfg.dataset is not None:
-        return None
-    path = BUNDLED_CORPUS if cfg.path is None else Path(cfg.path).expanduser()
-    if not path.is_file():
-        raise DataError(f"data.path = {str(path)!r}: file not found")
-    file_type(str(path), "data.path")
-    return path
-
-
-def load_texts(cfg: DataConfig) -> list[str]:
-    """Documents as strings, through ``datasets.load_dataset``.
-
-    Raises:
-        DataError: missing file, unknown format, missing text field, unreachable hub dataset.
-    """
-    import datasets
-
-    datasets.disable_progress_bars()
-    path = source_file(cfg)
-    try:
-        if path is not None:
-            builder = file_type(str(path), "data.path")
-            kwargs = {"sample_by": "document"} if builder == "text" else {}
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-            field = "text" if builder == "text" else cfg.text_field
-            if field not in ds.column_names:
-                raise DataError(
-                    f"data.text_field = {field!r}: not a column of {path} (columns: {', '.join(ds.column_names)})"
-                )
-            texts = ds[field]
-            if cfg.max_documents is not None:
-                texts = texts[: cfg.max_documents]
-        else:
-            if cfg.streaming and cfg.max_documents is None:
-                raise DataError(
-                    f"data.max_documents = None: a streamed hub dataset ({cfg.dataset}) needs a cap, "
-                    "for example --set data.max_documents=100000"
-                )
-            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming)
-            texts = []
-            for row in ds:
-                if cfg.text_field not in row:
-                    raise DataError(f"data.text_field = {cfg.text_field!r}: not a field of {cfg.dataset}")
-                texts.append(row[cfg.text_field])
-                if cfg.max_documents is not None and len(texts) >= cfg.max_documents:
-                    break
-    except DataError:
-        raise
-    except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
-        src = str(path) if path is not None else cfg.dataset
-        raise DataError(f"data: cannot load {src!r}: {error_line(e)}") from None
-    for i, t in enumerate(texts):
-        if t is not None and not isinstance(t, str):
-            raise DataError(
-                f"data.text_field = {cfg.text_field!r}: values must be strings, "
-                f"document {i} holds {type(t).__name__} {str(t)[:40]!r}"
-            )
-    texts = [t for t in texts if t]
-    if not texts:
-        raise DataError(f"data: no text found in {str(path) if path is not None else cfg.dataset!r}")
-    return texts
-
-
-# ---------------------------------------------------------------------------------------
-# tokenizers
-
-
-#: The end-of-document token of the tokenizers built here (``bpe``; ``char`` with specials).
-EOS = "<|endoftext|>"
-
-
-def char_tokenizer(texts: list[str], specials: bool = False):
-    """Character-level ``PreTrainedTokenizerFast`` (``tokenizers`` WordLevel over single chars):
-    the characters of ``texts``, sorted; with ``specials`` also ``<unk>`` for any other character
-    and an :data:`EOS` after them (``prepare``'s, whose sample may miss characters), without them
-    the plain vocabulary of a ``data.path`` run (its ids unchanged)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = sorted(set().union(*map(set, texts)) if texts else set())
-    vocab = {c: i for i, c in enumerate([*chars, "<unk>", EOS] if specials else chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>" if specials else None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    if specials:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="<unk>")
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
-
-
-def bpe_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE trained on ``texts`` with ``tokenizers``; :data:`EOS` ``<|endoftext|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
-
-
-def build_tokenizer(cfg: DataConfig, texts: list[str]):
-    """The tokenizer named by ``cfg.tokenizer`` ("char", "bpe", or a HF name/path)."""
-    if cfg.tokenizer == "char":
-        return char_tokenizer(texts)
-    if cfg.tokenizer == "bpe":
-        return bpe_tokenizer(texts, cfg.bpe_vocab_size)
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hub_logging.set_verbosity_error()  # one error line instead of the hub client's retry log
-    hf_logging.set_verbosity_error()
-    try:
-        return AutoTokenizer.from_pretrained(cfg.tokenizer)
-    except Exception as e:
-        raise DataError(
-            f"data.tokenizer = {cfg.tokenizer!r}: cannot load ({type(e).__name__}); "
-            "use 'char', 'bpe', a local tokenizer directory or a reachable hub name"
-        ) from None
-
-
-def encode_documents(tok: Any, texts: Sequence[str | None], eos_id: int | None, lines: bool = False) -> list[list[int]]:
-    """Token ids of each document of ``texts`` with the ``tokenizers.Tokenizer`` ``tok`` (no
-    special tokens added), :data:`EOS` (``eos_id``) after each non-empty one; with ``lines``
-    each text is a line of a running text: its newline is kept and no EOS follows it. The one
-    tokenising step of ``prepare``'s actors and of a corpus tokenised in process.
-
-    Raises:
-        Exception: as ``tok.encode_batch_fast`` (a character the vocabulary lacks)."""
-    texts = [(t or "") + ("\n" if lines else "") for t in texts]
-    enc = tok.encode_batch_fast(texts, add_special_tokens=False)
-    eos = [eos_id] if (eos_id is not None and not lines) else []
-    return [(e.ids + eos if eos else e.ids) if t else [] for e, t in zip(enc, texts)]
-
-
-def tokenize(tokenizer: Any, texts: list[str]) -> np.ndarray:
-    """One int32 stream: documents joined by the tokenizer's EOS token when it has one
-    (:func:`encode_documents` for a fast tokenizer; a slow one's own encoding otherwise).
-
-    Raises:
-        DataError: when the tokenizer cannot encode the text.
-    """
-    eos = getattr(tokenizer, "eos_token_id", None)
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # None: a slow (Python) tokenizer
-    parts: list[np.ndarray] = []
-    batch = 1000
-    for start in range(0, len(texts), batch):
-        try:
-            if backend is not None:
-                enc = encode_documents(backend, texts[start : start + batch], eos)
-            else:
-                enc = [ids + ([eos] if eos is not None else []) for ids in
-                       tokenizer(texts[start : start + batch], add_special_tokens=False)["input_ids"]]  # fmt: skip
-        except Exception as e:  # e.g. a char vocabulary built on another corpus
-            raise DataError(
-                f"data: the tokenizer cannot encode this corpus ({error_line(e, typed=False)}); "
-                "was the run trained on other text?"
-            ) from None
-        parts.extend(np.asarray(ids, dtype=np.int32) for ids in enc)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
 #: Validation tokens an evaluation reads when ``run.eval_tokens`` is None (at most).
@@ -322,12 +112,14 @@ def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     return Corpus(train=train, val=val, vocab_size=store.vocab_size, tokenizer=tok, store_id=store.id)
 
 
-def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Any = None) -> Corpus:
+def load_corpus(
+    cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: Any = None, address: str | None = None
+) -> Corpus:
     """Load, tokenise and split the corpus.
 
     ``cfg.prepared``: the store is opened (:func:`open_prepared`). A local file (``data.path`` or
-    the bundled corpus): tokenised once into a cached store (:func:`cached_corpus`), loaded into
-    memory. A hub dataset: loaded and tokenised here. ``tokenizer`` (for example one restored from
+    the bundled corpus): tokenised once into a cached store (:func:`cached_corpus`; a big one by
+    Ray Data on the cluster at ``address``), loaded into memory. A hub dataset: loaded and tokenised here. ``tokenizer`` (for example one restored from
     a run directory) is used as is; otherwise one is built from ``cfg`` and, when
     ``tokenizer_dir`` is given, saved there.
 
@@ -337,7 +129,7 @@ def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: A
     if cfg.prepared is not None:
         return open_prepared(cfg, tokenizer)
     path = source_file(cfg)
-    corpus = cached_corpus(cfg, path, tokenizer) if path is not None else _tokenized(cfg, tokenizer)
+    corpus = cached_corpus(cfg, path, tokenizer, address) if path is not None else _tokenized(cfg, tokenizer)
     need = cfg.seq_len + 1
     if len(corpus.train) < 2 * need or len(corpus.val) < need:
         raise DataError(
@@ -349,14 +141,22 @@ def load_corpus(cfg: DataConfig, tokenizer_dir: Path | None = None, tokenizer: A
     return corpus
 
 
-def _tokenized(cfg: DataConfig, tokenizer: Any) -> Corpus:
-    """The corpus tokenised in this process: documents joined, the tail ``val_fraction`` held out."""
+def _stream(cfg: DataConfig, tokenizer: Any) -> tuple[np.ndarray, Any]:
+    """``(ids, tokenizer)``: the corpus tokenised in this process, documents joined (one int32
+    stream), with ``tokenizer`` or one built from ``cfg`` on the texts."""
     texts = load_texts(cfg)
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg, texts)
-    ids = tokenize(tokenizer, texts)
-    n_val = int(round(len(ids) * cfg.val_fraction))
-    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    return Corpus(train=train, val=val, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    return tokenize(tokenizer, texts), tokenizer
+
+
+def _tokenized(cfg: DataConfig, tokenizer: Any) -> Corpus:
+    """The corpus tokenised in this process, in memory: the tail ``val_fraction`` held out
+    (``token_store.tail_tokens``, the rule a cached store's writer applies)."""
+    from ray_diloco.components.token_store import tail_tokens
+
+    ids, tokenizer = _stream(cfg, tokenizer)
+    cut = len(ids) - tail_tokens(len(ids), cfg.val_fraction)
+    return Corpus(train=ids[:cut], val=ids[cut:], vocab_size=len(tokenizer), tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------------------------------
@@ -389,12 +189,19 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def by_ray_data(cfg: DataConfig, path: Path) -> bool:
+    """Whether the local file ``path`` is tokenised by ``prepare``'s Ray Data pipeline (bigger
+    than ``data.in_process_bytes`` and no ``max_documents`` cap) rather than in this process."""
+    return cfg.max_documents is None and path.stat().st_size > cfg.in_process_bytes
+
+
 def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str | None = None) -> str:
     """24 hex digits naming the cache entry of ``path``: the sha256 of the file's bytes
     (``file_hash`` when the caller has it), the settings that shape its tokens (text field,
-    document cap, validation fraction) and the tokenizer: the given one's JSON and EOS, or the
-    recipe of ``data.tokenizer`` (``char`` and ``bpe`` are built from the text; a name or path is
-    loaded and its JSON hashed, so a tokenizer changed on disk gets a new entry)."""
+    document cap, validation fraction, the pipeline when it is Ray Data's) and the tokenizer: the
+    given one's JSON and EOS, or the recipe of ``data.tokenizer`` (``char`` and ``bpe`` are built
+    from the text; a name or path is loaded and its JSON hashed, so a tokenizer changed on disk
+    gets a new entry)."""
     file_hash = file_hash or file_sha256(path)
     if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):
         tokenizer = build_tokenizer(cfg, [])
@@ -414,16 +221,22 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str
         "val_fraction": cfg.val_fraction,
         "tokenizer": tok,
     }
+    if by_ray_data(cfg, path):  # its own rules (text lines, a sampled char/bpe vocabulary, Feistel order)
+        recipe["pipeline"] = "ray-data"
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
+def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: str | None = None) -> Corpus:
     """The corpus of the local file ``path`` through the cache: the entry ``cache_key`` is a token
     store (the tail ``val_fraction`` of the stream as its val split, window order ``legacy``)
     written the first time, opened and loaded into memory every later time (no tokenising). Its
     splits are in-memory :class:`~ray_diloco.components.token_store.TokenSplit` s read by the same
     :class:`ShardReader`; the tokens equal those of tokenising in the process, so the fingerprint
     (sha256 of the int32 streams) and a run's loss are those of before the cache.
+
+    A file bigger than ``data.in_process_bytes`` is tokenised by ``prepare``'s pipeline instead
+    (:func:`_prepare_entry`: Ray Data on the cluster at ``address``, or a Ray of its own), into an
+    entry of the same format and tail split.
 
     Entries are written under a temporary name and renamed whole (two runs starting together:
     the first rename wins, the other uses it). A damaged entry is rebuilt; a cache that cannot be
@@ -436,7 +249,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
     import tempfile
 
     from ray_diloco.components.storage import publish_dir, storage_reason
-    from ray_diloco.components.token_store import TokenStore, write_store
+    from ray_diloco.components.token_store import TokenStore, tail_tokens, write_store
 
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
         return _tokenized(cfg, tokenizer)  # a slow (Python) tokenizer: no JSON to key the cache by
@@ -460,8 +273,23 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
             return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
         except DataError:  # damaged (a file removed or changed): rebuilt below
             shutil.rmtree(entry, ignore_errors=True)
-    corpus = _tokenized(cfg, tokenizer)
-    tmp = None
+    if by_ray_data(cfg, path):
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+        work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        try:
+            _prepare_entry(cfg, path, tokenizer, work, address)
+            publish_dir(work, entry, marker="manifest.json")  # another run's finished entry may win
+        except (OSError, DataError) as e:
+            raise DataError(
+                f"data.path = {str(path)!r}: cannot tokenise it into data.cache_dir = {str(root.parent)!r} "
+                f"with Ray Data ({storage_reason(e) if isinstance(e, OSError) else e})"
+            ) from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)  # gone once published
+        return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
+    ids, tok = _stream(cfg, tokenizer)
+    tmp: Path | None = None
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(root)
@@ -471,20 +299,45 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None) -> Corpus:
             "order": "legacy",
             "source": {"path": str(path), "cache_key": key},
         }
-        train, val = np.asarray(corpus.train), np.asarray(corpus.val)  # tokenised here: arrays
-        write_store(str(tmp), corpus.tokenizer, train, val, meta, vocab_size=corpus.vocab_size)
+        write_store(str(tmp), tok, ids, None, meta, vocab_size=len(tok), tail=cfg.val_fraction)
         publish_dir(tmp, entry, marker="manifest.json")  # another run's finished entry may win
         tmp = None
-        return _from_cache(TokenStore(str(entry), "data.cache_dir"), corpus.tokenizer)
+        return _from_cache(TokenStore(str(entry), "data.cache_dir"), tok)
     except (OSError, DataError) as e:
         logger.warning(
             f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
             f"({storage_reason(e)}); it stays in memory"
         )
-        return corpus
+        cut = len(ids) - tail_tokens(len(ids), cfg.val_fraction)
+        return Corpus(train=ids[:cut], val=ids[cut:], vocab_size=len(tok), tokenizer=tok)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, address: str | None) -> None:
+    """Tokenise the big file ``path`` into the store ``out`` with ``prepare``'s pipeline (the one
+    pipeline: Ray Data reading, tokenizer actors, the store writer) and ``data.path``'s split rule
+    (the tail ``val_fraction`` of the stream). ``tokenizer`` (a resume's) is used as is; otherwise
+    ``data.tokenizer``'s (``char``/``bpe`` built from a sample).
+
+    Raises:
+        DataError: as ``prepare_store``."""
+    import sys
+    import tempfile
+
+    from ray_diloco.components.prepare import PrepareOptions, prepare_store
+
+    logger.info(f"data.path = {str(path)!r}: {path.stat().st_size / 2**20:,.0f} MiB, tokenising it with Ray Data")
+    with tempfile.TemporaryDirectory(prefix="ray-diloco-tok-") as tok_dir:
+        name = cfg.tokenizer
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tok_dir)
+            name = tok_dir
+        opts = PrepareOptions(sources=[str(path)], out=str(out), tokenizer=name, bpe_vocab_size=cfg.bpe_vocab_size,
+                              text_field=cfg.text_field, val_fraction=cfg.val_fraction, val_split="tail",
+                              progress=sys.stderr.isatty())  # fmt: skip
+        prepare_store(opts, address=address)
 
 
 #: A cache entry still being written after this many seconds belongs to a killed run.

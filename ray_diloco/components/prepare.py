@@ -9,7 +9,8 @@ of :class:`~ray_diloco.components.token_store.StoreWriter` (see that module for 
 Documents: a row of a JSONL/Parquet/hub source is a document (EOS after it); a line of a text
 file is a row whose newline is kept (a text file is one running text: no EOS inside it). A row
 goes to the validation split when ``crc32(utf-8 text) / 2**32 < val_fraction``: the split
-depends on the text only, not on the number of actors. Memory: the driver holds at most one
+depends on the text only, not on the number of actors; ``--val-split tail`` holds out the last
+``val_fraction`` of the token stream instead (``data.path``'s rule, applied by the store writer). Memory: the driver holds at most one
 shard plus the batches in flight; Ray Data's object store use is capped (``OBJECT_STORE_BYTES``);
 a read task holds one input file (or one Parquet row group), so split huge text files.
 
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.address import connect_ray
-from ray_diloco.components.data import EOS, char_tokenizer, encode_documents, file_type
+from ray_diloco.components.text import EOS, char_tokenizer, encode_documents, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import DataError
 from ray_diloco.log import error_line
@@ -80,7 +81,11 @@ class PrepareOptions:
     text_field: str = "text"
     """Column of JSONL/Parquet/hub rows holding the text."""
     val_fraction: float = 0.01
-    """Share of the documents (by hash of their text) that goes to the validation split, in [0, 1)."""
+    """Share held out for the validation split, in [0, 1): of the documents or of the tokens (``val_split``)."""
+    val_split: str = "hash"
+    """``hash``: a document goes to validation when the crc32 of its text is below ``val_fraction``
+    (independent of the number of actors); ``tail``: the last ``val_fraction`` of the token stream
+    (``data.path``'s rule, ``StoreWriter.finish``)."""
     shard_tokens: int = SHARD_TOKENS
     """Tokens per shard."""
     batch_rows: int = 1024
@@ -234,7 +239,7 @@ def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
     """
     from transformers import PreTrainedTokenizerFast
 
-    from ray_diloco.components.data import bpe_tokenizer
+    from ray_diloco.components.text import bpe_tokenizer
     from ray_diloco.config import DataConfig
 
     if name == "char":
@@ -251,7 +256,7 @@ def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
         if eos is not None:
             fast.eos_token = eos
         return fast
-    from ray_diloco.components.data import build_tokenizer
+    from ray_diloco.components.text import build_tokenizer
 
     return build_tokenizer(DataConfig(tokenizer=name), [])
 
@@ -313,6 +318,8 @@ def _check_options(o: PrepareOptions) -> None:
     problems = []
     if not 0 <= o.val_fraction < 1:
         problems.append(f"--val-fraction = {o.val_fraction}: must be in [0, 1)")
+    if o.val_split not in ("hash", "tail"):
+        problems.append(f"--val-split = {o.val_split!r}: must be hash or tail")
     if o.shard_tokens < 1024:
         problems.append(f"--shard-tokens = {o.shard_tokens}: must be at least 1024")
     if o.bpe_vocab_size < 260:
@@ -483,7 +490,7 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
     tok_json = tok.backend_tokenizer.to_str()
     key = {
         **desc,
-        **{k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "shard_tokens")},
+        **{k: v for k, v in asdict(opts).items() if k in ("text_field", "val_fraction", "val_split", "shard_tokens")},
         "tokenizer": hashlib.sha256(tok_json.encode()).hexdigest(),
     }
     writer.fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -505,19 +512,19 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
             "eos_id": tok.eos_token_id,
             "column": column,
             "lines": desc["lines"],
-            "val_fraction": opts.val_fraction,
+            "val_fraction": opts.val_fraction if opts.val_split == "hash" else 0.0,  # tail: at finish
             "dtype": writer.dtype.str,
         },
     )
     _consume(ds, writer, desc, cursor, opts)
     meta = {
-        "split": {"method": "hash", "val_fraction": opts.val_fraction},
+        "split": {"method": opts.val_split, "val_fraction": opts.val_fraction},
         "order": "feistel",
         "source": {k: v for k, v in desc.items() if k not in ("files", "bytes")}
         | {"files": len(desc.get("files", []))},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    manifest = writer.finish(tok, meta)
+    manifest = writer.finish(tok, meta, opts.val_fraction if opts.val_split == "tail" else None)
     logger.info(
         f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
         f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "

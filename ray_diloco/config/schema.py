@@ -116,6 +116,12 @@ class DataConfig:
     """Where a local file (``path`` or the bundled corpus) is kept once tokenised, as a token store keyed
     by the file's sha256, the tokenizer and the settings above, so a restart or resume does not tokenise
     it again. None: ``$RAY_DILOCO_CACHE``, else ``~/.cache/ray-diloco``."""
+    in_process_bytes: int = 64 << 20
+    """A ``path`` file up to this many bytes (and any with ``max_documents``) is read and tokenised in
+    the job's process; a bigger one by ``prepare``'s Ray Data pipeline (tokenizer actors, flat memory)
+    into the same cache, with the same tail split and window order recorded in its manifest; its text
+    file is read a line at a time (no EOS inside it) and a ``char``/``bpe`` tokenizer is built from a
+    32 MB sample (``char`` then has ``<unk>`` and an EOS). Default 64 MiB."""
 
 
 @dataclass

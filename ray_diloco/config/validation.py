@@ -219,6 +219,7 @@ def _check_data(cfg: Config, e: list[str]) -> None:
     _need(e, 0 < dc.val_fraction < 1, "data.val_fraction", dc.val_fraction, "must be in (0, 1)")
     _need(e, dc.bpe_vocab_size >= 32, "data.bpe_vocab_size", dc.bpe_vocab_size, "must be >= 32")
     _need(e, dc.max_documents is None or dc.max_documents >= 1, "data.max_documents", dc.max_documents, "must be >= 1")
+    _need(e, dc.in_process_bytes >= 0, "data.in_process_bytes", dc.in_process_bytes, "must be >= 0")
     if dc.prepared is not None and (dc.path is not None or dc.dataset is not None):
         e.append(
             f"data.prepared = {dc.prepared!r}: a prepared store replaces data.path and data.dataset; "

@@ -316,7 +316,7 @@ def _load_corpus(cfg: Config, run_dir: Path) -> Corpus:
     split is cut to the ``run.eval_tokens`` an evaluation reads."""
     tok_dir = run_dir / "tokenizer"
     tokenizer = load_saved_tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
-    corpus = load_corpus(cfg.data, tokenizer=tokenizer)
+    corpus = load_corpus(cfg.data, tokenizer=tokenizer, address=cfg.run.address)
     corpus.val = eval_split(corpus.val, cfg.run.eval_tokens)
     return corpus
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,7 +17,8 @@ import pytest
 from helpers import ROOT, SHAKESPEARE, one_error_line, run_cli, run_main, wait_for
 
 from ray_diloco.components.prepare import PrepareOptions, prepare_store
-from ray_diloco.components.token_store import TokenStore
+from ray_diloco.components.text import tokenize
+from ray_diloco.components.token_store import TokenStore, tail_tokens
 from ray_diloco.errors import DataError
 
 
@@ -76,7 +78,7 @@ def test_a_rowless_first_file_does_not_stop_a_named_tokenizer(ray_session, tmp_p
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ray_diloco.components.data import char_tokenizer
+    from ray_diloco.components.text import char_tokenizer
 
     src = tmp_path / "src"
     src.mkdir()
@@ -86,8 +88,16 @@ def test_a_rowless_first_file_does_not_stop_a_named_tokenizer(ray_session, tmp_p
     tok = char_tokenizer(docs)
     tok.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     m = prepare_store(PrepareOptions(sources=[str(src)], out=str(tmp_path / "s"), tokenizer=str(tmp_path / "tokenizer.json"),
-                                     val_fraction=0.0, progress=False))
+                                     val_fraction=0.1, val_split="tail", shard_tokens=1024, progress=False))
     assert m["documents"]["train"] == 50
+    # --val-split tail: data.path's rule (the last 10% of the stream) applied by the store writer,
+    # also when finished shards hold the tail: the tokens of tokenising in process, split the same
+    ids = tokenize(tok, docs)
+    cut = len(ids) - tail_tokens(len(ids), 0.1)
+    store = TokenStore(str(tmp_path / "s"))
+    assert m["split"] == {"method": "tail", "val_fraction": 0.1} and len(m["shards"]["val"]) == 2
+    np.testing.assert_array_equal(store.split("train").to_array(), ids[:cut])
+    np.testing.assert_array_equal(store.split("val").to_array(), ids[cut:])
 
 
 def test_a_datasets_source_is_streamed_through_the_hub_code_path(ray_session, tmp_path):
@@ -236,3 +246,31 @@ def test_a_missing_remote_file_or_bucket_reads_as_absent(s3_bucket):
     assert store.read_bytes("manifest.json") == b"{}"
     nowhere = Location(s3_bucket.replace("s3://bucket-", "s3://no-such-bucket-"))
     assert nowhere.read_bytes("manifest.json") is None
+
+
+def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_corpus(ray_session, tmp_path, caplog):
+    """``data.path`` above ``data.in_process_bytes`` is tokenised by prepare's Ray Data pipeline
+    into the cache (issue 28 item 4: one pipeline, two executors): with the same tokenizer, its
+    splits hold the tokens of the in-process path (the tail split applied by the store writer);
+    the manifest records the split and the window order, which the splits carry; a second load
+    reads the cache."""
+    from ray_diloco.components.data import load_corpus
+    from ray_diloco.components.text import char_tokenizer
+    from ray_diloco.config import DataConfig
+
+    docs = [f"document {i}: " + "the quick brown fox " * (i % 7 + 1) for i in range(400)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"body": d}) + "\n" for d in docs))
+    char_tokenizer(docs).save_pretrained(str(tmp_path / "tok"))
+    cfg = dict(path=str(src), text_field="body", tokenizer=str(tmp_path / "tok"), seq_len=16, val_fraction=0.1)
+    small = load_corpus(DataConfig(cache_dir=str(tmp_path / "c1"), **cfg))
+    big = load_corpus(DataConfig(cache_dir=str(tmp_path / "c2"), in_process_bytes=0, **cfg))
+    np.testing.assert_array_equal(np.asarray(big.train), np.asarray(small.train))
+    np.testing.assert_array_equal(np.asarray(big.val), np.asarray(small.val))
+    assert (small.train.order, big.train.order) == ("legacy", "feistel")
+    (entry,) = (tmp_path / "c2" / "tokens").iterdir()
+    m = json.loads((entry / "manifest.json").read_text())
+    assert m["split"] == {"method": "tail", "val_fraction": 0.1} and m["order"] == "feistel"
+    with caplog.at_level(logging.INFO, logger="ray_diloco.components.data"):
+        again = load_corpus(DataConfig(cache_dir=str(tmp_path / "c2"), in_process_bytes=0, **cfg))
+    assert again.fingerprint == big.fingerprint and "Ray Data" not in caplog.text

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import SHAKESPEARE, read_metrics, tiny_overrides, torch_lm
 
-from ray_diloco.components.data import char_tokenizer
+from ray_diloco.components.text import char_tokenizer
 from ray_diloco.components.token_store import TokenStore, write_store
 from ray_diloco.errors import CheckpointError, ConfigError, DataError
 from ray_diloco.runtime.launcher import train

@@ -155,8 +155,8 @@ def test_a_corpus_tokenised_in_process_and_by_prepare_gets_the_same_ids():
     keep their newline and get no EOS."""
     from helpers import SHAKESPEARE
 
-    from ray_diloco.components.data import bpe_tokenizer, char_tokenizer, encode_documents, tokenize
     from ray_diloco.components.prepare import Tokenize
+    from ray_diloco.components.text import bpe_tokenizer, char_tokenizer, encode_documents, tokenize
 
     text = SHAKESPEARE.read_text()[:20000]
     docs = [text[:7000], text[7000:12000], text[12000:]]
