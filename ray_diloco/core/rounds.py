@@ -112,6 +112,7 @@ class RoundBook:
         self.last_finished: list[int] = []  # send step of the newest finished round per fragment
         self._order: list[deque] = []
         self._checking: set[tuple[int, int, int]] = set()
+        self._must_resync: dict[int, set[int]] = {}  # fragment -> members answered with a resync next
 
     def set_fragments(self, n: int) -> None:
         """Start ``n`` fragments at version 0 with no finished round."""
@@ -303,6 +304,13 @@ class RoundBook:
         self.last_finished[fragment] = max(self.last_finished[fragment], step)
         self.rounds.pop((fragment, step), None)
 
+    def resync_all(self, fragment: int) -> None:
+        """Answer every current member's next round of ``fragment`` with a resync (the current
+        global fragment), whatever its version: a step already answered was taken again
+        differently (a rebuilt shard redid it without a pseudo-gradient that died with its
+        sender's node), so the global fragment some replicas applied is not the outer side's."""
+        self._must_resync[fragment] = set(self.members)
+
     def answer(self, fragment: int, step: int, replica: int, version: int) -> Answer:
         """What ``replica``, holding ``version`` of ``fragment``, is answered about the round sent
         at ``step`` once it is finished (or forgotten: ``dropped``). The round's update when it
@@ -314,6 +322,10 @@ class RoundBook:
         else:
             status = OK if replica in rec.included else REJECTED if replica in rec.rejected else \
                 FAILED if rec.failed else DROPPED  # fmt: skip
+        forced = self._must_resync.get(fragment, set())
+        if replica in forced:  # its global fragment may differ from the outer side's (resync_all)
+            forced.discard(replica)
+            return Answer(status, self.versions[fragment], resync=True)
         if rec is not None and not rec.failed and version == rec.base_version:
             return Answer(status, rec.base_version + 1, rec.message, rec.size)
         if version == self.versions[fragment]:

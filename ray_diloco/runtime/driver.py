@@ -138,24 +138,28 @@ class _Recovery:
 
     async def call(self, name: str, per_shard: list[tuple], only: list[int] | None = None) -> list[Any]:
         """``ShardGroup.each`` where a dead shard is rebuilt (:meth:`recover`) and called again, as is
-        one replaced while its call ran (its answer came from the dead one). For idempotent calls.
+        one replaced after it answered (its answer came from the dead one): an answer counts only
+        if its shard is still the one that gave it once no rebuild is in progress, so whatever the
+        caller does next (no await between) sees the shards that answered. For idempotent calls.
 
         Raises:
             RuntimeError: a shard was lost and cannot be rebuilt."""
         shards = self.d.shards
-        todo = list(range(shards.k)) if only is None else list(only)
+        mine = list(range(shards.k)) if only is None else list(only)
         outs: list[Any] = [None] * shards.k
-        for _ in range(3):
+        answered = [-1] * shards.k  # the generation of the shard actor each answer came from
+        todo = mine
+        for _ in range(shards.k + 2):  # each pass rebuilds at least one shard
             await self.idle()  # never a shard in the middle of its rebuild
             gens = list(shards.gens)
             got = await shards.each(name, per_shard, todo)
             for i in todo:
-                outs[i] = got[i]
-            lost = [o for o in got if isinstance(o, ShardLost)]
-            todo = [i for i in todo if isinstance(got[i], ShardLost) or shards.gens[i] != gens[i]]
+                outs[i], answered[i] = got[i], gens[i]
+            # also waits for a rebuild another call began meanwhile (a shard replaced after it answered)
+            await self.recover([o for o in got if isinstance(o, ShardLost)])
+            todo = [i for i in mine if isinstance(outs[i], ShardLost) or shards.gens[i] != answered[i]]
             if not todo:
                 break
-            await self.recover(lost)
         return outs
 
     async def all(self, name: str, *args: Any) -> list[Any]:
@@ -406,6 +410,8 @@ class _Recovery:
                     raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
                 lost.add(m)
         terms = _partial(d, i, f, u.step, u.terms, lost)
+        if lost:  # the round's replies went out with the dead shard's slice of the full step
+            d.book.resync_all(f)
         out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
         if isinstance(out, ShardLost):
             raise out
@@ -422,7 +428,10 @@ def _partial(d: OuterDriver, i: int, f: int, step: int, terms: list[tuple[int, f
     round's step already and some of its pseudo-gradients died with the dead shard's node (their
     senders died with it): the others, as their weights stand. The slice's mean then leaves those
     replicas out (as a round that went on without them); every receiver still gets the same reply.
-    Recorded as a ``partial_round`` event."""
+    Recorded as a ``partial_round`` event. A round answered already (its step taken again from a
+    copy that missed it, :meth:`_Recovery._take_again`) resyncs every member at its next round
+    of the fragment (``RoundBook.resync_all``): some applied the dead shard's full step (a break-
+    it run: workers' globals differed from the outer side's from then on)."""
     if not lost:
         return terms
     d.book.event("partial_round", None, fragment=f, step=step, shard=i, left_out=sorted(lost))

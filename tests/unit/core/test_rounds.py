@@ -150,3 +150,21 @@ def test_restore_takes_versions_completed_rounds_and_unreported_stats():
     book.restore([3, 4], [15, 20], [{"step": 20}, {"step": 25}])
     assert book.versions == [3, 4] and book.is_closed(1, 20) and not book.is_closed(1, 25)
     assert book.take_stats(20) == [{"step": 20}] and book.take_stats() == [{"step": 25}]
+
+
+def test_a_step_redone_differently_resyncs_every_member_once_on_its_fragment():
+    """A rebuilt shard took an answered round's step again without a pseudo-gradient that died
+    with its node (``resync_all``): every member's next answer for that fragment is a resync of
+    the current fragment, whatever version it holds, once; other fragments are untouched. (A
+    break-it run, K = 7 on 3 nodes: the workers' globals differed from the outer side's.)"""
+    book, _ = _book({0: 0, 1: 0, 2: 0}, fragments=2)
+    for m in (0, 1, 2):
+        book.arrive(0, 5, m, 1.0, 1.0, size=4, parts=[f"p{m}"])
+    _step(book, 0, 5)
+    assert book.answer(0, 5, 0, 0).message == "msg"  # replica 0 took the update before the redo
+    book.resync_all(0)
+    for m in (0, 1, 2):  # replica 0 at the new version, 1 and 2 at the base one: all resync
+        a = book.answer(0, 5, m, 1 if m == 0 else 0)
+        assert (a.status, a.version, a.resync, a.message) == (OK, 1, True, None)
+    assert book.answer(0, 5, 1, 1).resync is False  # once
+    assert book.answer(1, 5, 0, 0).resync is False  # fragment 1: as before
