@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 
 def train(*args, **kwargs):
-    """Run DiLoCo or the DP baseline; see :func:`ray_diloco.runtime.trainer.train`."""
+    """Run DiLoCo or the DP baseline; see :func:`ray_diloco.runtime.launcher.train`."""
     from ray_diloco.runtime.launcher import train as _train
 
     return _train(*args, **kwargs)

@@ -41,7 +41,7 @@ Split = np.ndarray | TokenSplit
 
 def window_order(tokens: Split) -> str:
     """The order a :class:`ShardReader` reads ``tokens``' windows in: a store's split says it (its
-    manifest's ``order``: ``feistel`` for a prepared store, ``legacy`` for the data cache's); an
+    manifest's ``order``: ``feistel`` from ``prepare``'s pipeline, ``legacy`` for a small file's cache entry); an
     array tokenised in this process is read in the ``legacy`` order."""
     return tokens.order if isinstance(tokens, TokenSplit) else "legacy"
 
@@ -236,7 +236,8 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
 
     A file bigger than ``data.in_process_bytes`` is tokenised by ``prepare``'s pipeline instead
     (:func:`_prepare_entry`: Ray Data on the cluster at ``address``, or a Ray of its own), into an
-    entry of the same format and tail split.
+    entry of the same format and tail split, in that pipeline's window order (``feistel``) and
+    reading rules (a text file a row per line; ``char``/``bpe`` from a sample), keyed apart.
 
     Entries are written under a temporary name and renamed whole (two runs starting together:
     the first rename wins, the other uses it). A damaged entry is rebuilt; a cache that cannot be
@@ -274,20 +275,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
         except DataError:  # damaged (a file removed or changed): rebuilt below
             shutil.rmtree(entry, ignore_errors=True)
     if by_ray_data(cfg, path):
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
-        work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-        try:
-            _prepare_entry(cfg, path, tokenizer, work, address)
-            publish_dir(work, entry, marker="manifest.json")  # another run's finished entry may win
-        except (OSError, DataError) as e:
-            raise DataError(
-                f"data.path = {str(path)!r}: cannot tokenise it into data.cache_dir = {str(root.parent)!r} "
-                f"with Ray Data ({storage_reason(e) if isinstance(e, OSError) else e})"
-            ) from None
-        finally:
-            shutil.rmtree(work, ignore_errors=True)  # gone once published
-        return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
+        return _ray_data_entry(cfg, path, tokenizer, entry, address)
     ids, tok = _stream(cfg, tokenizer)
     tmp: Path | None = None
     try:
@@ -313,6 +301,35 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ray_data_entry(cfg: DataConfig, path: Path, tokenizer: Any, entry: Path, address: str | None) -> Corpus:
+    """The cache ``entry`` of the big file ``path`` written by :func:`_prepare_entry` (under a
+    temporary name, published whole) and loaded.
+
+    Raises:
+        DataError: naming ``data.path`` and ``data.cache_dir``: the prepare or the write failed."""
+    import shutil
+    import tempfile
+
+    from ray_diloco.components.storage import publish_dir, storage_reason
+    from ray_diloco.components.token_store import TokenStore
+
+    root, key = entry.parent, entry.name
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        _prepare_entry(cfg, path, tokenizer, work, address)
+        publish_dir(work, entry, marker="manifest.json")  # another run's finished entry may win
+    except (OSError, DataError) as e:
+        raise DataError(
+            f"data.path = {str(path)!r}: cannot tokenise it into data.cache_dir = {str(root.parent)!r} "
+            f"with Ray Data ({storage_reason(e) if isinstance(e, OSError) else e})"
+        ) from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # gone once published
+    return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
 
 
 def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, address: str | None) -> None:

@@ -9,7 +9,7 @@ Elasticity (DiLoCo, arXiv 2311.08105, section 3, "dropping outer gradients"):
 
 - A round expects the *members* that joined before its send step. It is complete as soon as all
   of them have answered (:meth:`RoundBook.arrive`), or is closed ``diloco.sync_timeout_s`` after
-  it opened (:meth:`RoundBook.close` with ``"timeout"``); a member that died
+  it opened plus the transfer allowance of its bytes (:meth:`RoundBook.time_out`); a member that died
   (:meth:`RoundBook.remove_member`) or missed the timeout is left out of that average.
 - With at least ``diloco.min_replicas`` valid pseudo-gradients and a positive total weight the
   round takes an outer step on their token-weighted mean, in replica-id order

@@ -55,7 +55,7 @@ class SyncSchedule:
     ``T``, and a fragment whose last merge came before ``T`` sends once more at ``T`` (a closing
     round), so the global parameters hold all the training except the up to ``tau`` steps the
     merge rule discards. A closing round averages the replicas instead of taking an outer step
-    (``OuterOptimizer.step(average_only=True)``): a momentum step on a partial round would add
+    (``OuterOptimizer.step_ordered``, ``average_only``): a momentum step on a partial round would add
     an extrapolation the run never trains after. With F=1, tau=0 and T a multiple of H this is
     DiLoCo's schedule: sends at H, 2H, ..., T.
 

@@ -258,8 +258,8 @@ class _Recovery:
             again_on = [i for i in range(d.shards.k) if isinstance(outs[i], ShardLost) or d.shards.gens[i] != gens[i]]
             if not again_on:
                 break
-            args = [(fragment, step, _partial(d, i, fragment, step, terms, r.lost.get(i, set())), r.average_only)
-                    for i in range(d.shards.k)]  # fmt: skip
+            args = [(fragment, step, _partial(d, i, fragment, step, terms, r.lost.get(i, set())) if i in again_on
+                     else terms, r.average_only) for i in range(d.shards.k)]  # fmt: skip
             gens = list(d.shards.gens)
             again = await d.shards.each("step", args, again_on)
             for i in again_on:
@@ -394,32 +394,37 @@ class _Recovery:
             if [u.version for u in chain] != list(range(v + 1, d.book.versions[f] + 1)):
                 raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {d.book.versions[f]}")
             for u in chain:
-                await self._take_again(i, f, u)
+                await _take_again(d, i, f, u)
                 redone.append(f)
         return redone
 
-    async def _take_again(self, i: int, f: int, u: _Stepped) -> None:
-        """Step ``u`` of fragment ``f`` on shard ``i`` again (its pseudo-gradients checked again)."""
-        d, lost = self.d, set()
-        for m, parts in sorted(u.parts.items()):
-            out = (await d.shards.each("check", [(f, u.step, m, [parts[i]])] * d.shards.k, [i]))[i]
-            if isinstance(out, ShardLost):
-                raise out
-            if isinstance(out, BaseException):
-                if not _object_lost(out):
-                    raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
-                lost.add(m)
-        terms = _partial(d, i, f, u.step, u.terms, lost)
-        if lost:  # the round's replies went out with the dead shard's slice of the full step
-            d.book.resync_all(f)
-        out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
+
+async def _take_again(d: OuterDriver, i: int, f: int, u: _Stepped) -> None:
+    """Step ``u`` of fragment ``f`` on the driver ``d``'s rebuilt shard ``i`` again (its
+    pseudo-gradients checked again; :meth:`_Recovery._redo`).
+
+    Raises:
+        ShardLost: the new shard died too. RuntimeError: the step cannot be taken again."""
+    lost: set[int] = set()
+    for m, parts in sorted(u.parts.items()):
+        out = (await d.shards.each("check", [(f, u.step, m, [parts[i]])] * d.shards.k, [i]))[i]
         if isinstance(out, ShardLost):
             raise out
-        if isinstance(out, BaseException) or out[3] != u.version:
-            raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
-        rec = d.book.finished.get((f, u.step))
-        if rec is not None and rec.message is not None:  # later receivers fetch the new slice
-            rec.message[i] = out[0]
+        if isinstance(out, BaseException):
+            if not _object_lost(out):
+                raise RuntimeError(f"replica {m}'s pseudo-gradient of fragment {f} at step {u.step}: {out}")
+            lost.add(m)
+    terms = _partial(d, i, f, u.step, u.terms, lost)
+    if lost:  # the round's replies went out with the dead shard's slice of the full step
+        d.book.resync_all(f)
+    out = (await d.shards.each("step", [(f, u.step, terms, u.average_only)] * d.shards.k, [i]))[i]
+    if isinstance(out, ShardLost):
+        raise out
+    if isinstance(out, BaseException) or out[3] != u.version:
+        raise RuntimeError(f"taking the step of fragment {f} at step {u.step} again: {out}")
+    rec = d.book.finished.get((f, u.step))
+    if rec is not None and rec.message is not None:  # later receivers fetch the new slice
+        rec.message[i] = out[0]
 
 
 def _partial(d: OuterDriver, i: int, f: int, step: int, terms: list[tuple[int, float]],
@@ -429,7 +434,7 @@ def _partial(d: OuterDriver, i: int, f: int, step: int, terms: list[tuple[int, f
     senders died with it): the others, as their weights stand. The slice's mean then leaves those
     replicas out (as a round that went on without them); every receiver still gets the same reply.
     Recorded as a ``partial_round`` event. A round answered already (its step taken again from a
-    copy that missed it, :meth:`_Recovery._take_again`) resyncs every member at its next round
+    copy that missed it, :func:`_take_again`) resyncs every member at its next round
     of the fragment (``RoundBook.resync_all``): some applied the dead shard's full step (a break-
     it run: workers' globals differed from the outer side's from then on)."""
     if not lost:

@@ -14,6 +14,7 @@ import pytest
 
 from ray_diloco.components import data as D
 from ray_diloco.components.data import ShardReader, cache_key, load_corpus
+from ray_diloco.components.text import char_tokenizer
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
 
@@ -97,7 +98,7 @@ def test_a_resume_with_the_runs_tokenizer_reads_the_first_runs_entry(src, tmp_pa
         no_tokenising(m)
         a = load_corpus(cfg, tokenizer=tok)
     assert a.tokenizer is tok and a.fingerprint == first.fingerprint and len(entries(tmp_path / "cache")) == 1
-    other = D.char_tokenizer([TEXT + "~"])  # one more character: another vocabulary
+    other = char_tokenizer([TEXT + "~"])  # one more character: another vocabulary
     b = load_corpus(cfg, tokenizer=other)
     assert len(entries(tmp_path / "cache")) == 2 and b.vocab_size == a.vocab_size + 1
 
