@@ -30,7 +30,7 @@ import numpy as np
 from ray_diloco.components.text import build_tokenizer, file_type, load_texts, source_file, tokenize
 from ray_diloco.components.token_store import TokenSplit
 from ray_diloco.config import DataConfig
-from ray_diloco.errors import DataError
+from ray_diloco.errors import ClusterError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,6 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
         DataError: as :func:`load_texts`, :func:`build_tokenizer`, or a corpus too small for ``seq_len``.
     """
     import shutil
-    import tempfile
 
     from ray_diloco.components.storage import publish_dir, storage_reason
     from ray_diloco.components.token_store import TokenStore, tail_tokens, write_store
@@ -281,7 +280,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(root)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        tmp = _entry_dir(root, key)
         meta = {
             "split": {"method": "tail", "val_fraction": cfg.val_fraction},
             "order": "legacy",
@@ -310,25 +309,30 @@ def _ray_data_entry(cfg: DataConfig, path: Path, tokenizer: Any, entry: Path, ad
     Raises:
         DataError: naming ``data.path`` and ``data.cache_dir``: the prepare or the write failed."""
     import shutil
-    import tempfile
 
     from ray_diloco.components.storage import publish_dir, storage_reason
     from ray_diloco.components.token_store import TokenStore
 
     root, key = entry.parent, entry.name
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
-    work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    work: Path | None = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+        work = _entry_dir(root, key)
         _prepare_entry(cfg, path, tokenizer, work, address)
         publish_dir(work, entry, marker="manifest.json")  # another run's finished entry may win
-    except (OSError, DataError) as e:
-        raise DataError(
-            f"data.path = {str(path)!r}: cannot tokenise it into data.cache_dir = {str(root.parent)!r} "
-            f"with Ray Data ({storage_reason(e) if isinstance(e, OSError) else e})"
-        ) from None
+    except OSError as e:  # no fallback to memory: a file this big is not tokenised in process
+        raise DataError(f"data.cache_dir = {str(root.parent)!r}: cannot hold the tokenised {path.name} "
+                        f"({storage_reason(e)}); give a writable directory") from None  # fmt: skip
+    except (DataError, ClusterError) as e:  # prepare's option names are the run's fields here
+        why = str(e)
+        for option, name in (("--text-field", "data.text_field"), ("--tokenizer", "data.tokenizer"),
+                             ("--address", "run.address"), ("--out", "data.cache_dir")):  # fmt: skip
+            why = why.replace(option, name)
+        raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {why}") from None
     finally:
-        shutil.rmtree(work, ignore_errors=True)  # gone once published
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)  # gone once published
     return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
 
 
@@ -345,7 +349,7 @@ def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, addre
 
     from ray_diloco.components.prepare import PrepareOptions, prepare_store
 
-    logger.info(f"data.path = {str(path)!r}: {path.stat().st_size / 2**20:,.0f} MiB, tokenising it with Ray Data")
+    logger.info(f"data.path = {str(path)!r}: {path.stat().st_size / 2**20:,.1f} MiB, tokenising it with Ray Data")
     with tempfile.TemporaryDirectory(prefix="ray-diloco-tok-") as tok_dir:
         name = cfg.tokenizer
         if tokenizer is not None:
@@ -355,6 +359,18 @@ def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, addre
                               text_field=cfg.text_field, val_fraction=cfg.val_fraction, val_split="tail",
                               progress=sys.stderr.isatty())  # fmt: skip
         prepare_store(opts, address=address)
+
+
+def _entry_dir(root: Path, key: str) -> Path:
+    """A new temporary directory for cache entry ``key`` in ``root``, with the umask's mode (not
+    ``mkdtemp``'s 0700: a cache shared by several users is readable by them once published)."""
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)
+    return tmp
 
 
 #: A cache entry still being written after this many seconds belongs to a killed run.

@@ -347,13 +347,28 @@ def _check_options(o: PrepareOptions) -> None:
 
 def _data_error(e: BaseException | None) -> DataError | None:
     """The DataError a Ray task raised, found in the chain of ``e`` (Ray wraps it)."""
-    seen = 0
-    while e is not None and seen < 10:
-        if isinstance(e, DataError):
-            return DataError(str(e))
-        e = getattr(e, "cause", None) or e.__cause__
-        seen += 1
+    for c in _chain(e):
+        if isinstance(c, DataError):
+            return DataError(str(c))
     return None
+
+
+def _chain(e: BaseException | None) -> list[BaseException]:
+    """``e`` and what it wraps (a Ray task error's ``cause``, ``__cause__``, ``__context__``), outermost first."""
+    out: list[BaseException] = []
+    while e is not None and len(out) < 10 and e not in out:
+        out.append(e)
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return out
+
+
+def _failure(e: BaseException) -> DataError:
+    """One line for a prepare that failed in Ray: the innermost error that is not Ray's own
+    (a JSON row that does not parse, bytes that are not UTF-8), not Ray Data's retry advice."""
+    inner = [c for c in _chain(e) if not type(c).__module__.startswith("ray")]
+    root = inner[-1] if inner else e
+    text = str(root).strip().splitlines()
+    return DataError(f"prepare failed: {type(root).__name__}: {(text[0] if text else '')[:300]}")
 
 
 def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
@@ -473,7 +488,7 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
         err = _data_error(e)
         if err is not None:
             raise err from None
-        raise DataError(f"prepare failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}") from None
+        raise _failure(e) from None
     finally:
         if started:
             ray.shutdown()
@@ -525,6 +540,9 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     manifest = writer.finish(tok, meta, opts.val_fraction if opts.val_split == "tail" else None)
+    if not manifest["tokens"]["val"]:
+        logger.warning(f"note: {opts.out} has no validation tokens (--val-fraction {opts.val_fraction}): "
+                       "training on it needs some (data.prepared checks seq_len + 1)")  # fmt: skip
     logger.info(
         f"prepared {opts.out}: {manifest['tokens']['train']:,} train / {manifest['tokens']['val']:,} validation "
         f"tokens ({manifest['dtype']}, vocabulary {manifest['vocab_size']}) in "

@@ -110,7 +110,10 @@ def load_texts(cfg: DataConfig) -> list[str]:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         src = str(path) if path is not None else cfg.dataset
-        raise DataError(f"data: cannot load {src!r}: {error_line(e)}") from None
+        root: BaseException = e
+        while root.__cause__ or root.__context__:  # datasets wraps the reason (bytes not UTF-8, a bad JSON line)
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        raise DataError(f"data: cannot load {src!r}: {error_line(root)}") from None
     for i, t in enumerate(texts):
         if t is not None and not isinstance(t, str):
             raise DataError(

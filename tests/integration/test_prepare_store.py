@@ -124,6 +124,11 @@ def test_bad_sources_are_one_line_errors(ray_session, tmp_path):
     one_error_line(run_main(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "a_file" / "store")]),
                    "is a file, not a directory")
     assert (tmp_path / "a_file").read_text() == "keep me"
+    # a line that is not JSON fails inside Ray Data: its reason, not Ray Data's retry advice (a break-it run)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    line = one_error_line(run_main(["prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "b"),
+                                    "--tokenizer", "char", "--no-progress"]), "prepare failed: ")  # fmt: skip
+    assert "retr" not in line and "JSON" in line.upper(), line
     # RAY_ADDRESS (joined as under ray job submit) where nothing answers: one line at once, out of
     # process (this one has joined the session's cluster already)
     r = run_cli(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "s")], timeout=60,
@@ -271,6 +276,7 @@ def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_co
     (entry,) = (tmp_path / "c2" / "tokens").iterdir()
     m = json.loads((entry / "manifest.json").read_text())
     assert m["split"] == {"method": "tail", "val_fraction": 0.1} and m["order"] == "feistel"
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="ray_diloco.components.data"):
         again = load_corpus(DataConfig(cache_dir=str(tmp_path / "c2"), in_process_bytes=0, **cfg))
     assert again.fingerprint == big.fingerprint and "Ray Data" not in caplog.text
