@@ -212,21 +212,28 @@ def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE
     """
     out, size = [], 0
     batches = iter(ds.iter_batches(batch_size=256 if limit > 1 else 1, batch_format="numpy"))
-    first = next(batches, None)
-    if first is None:
-        raise DataError(f"{what}: no rows")
-    if column not in first:
-        raise DataError(
-            f"--text-field {column!r}: not a column of the source (columns: "
-            f"{', '.join(k for k in first if k != 'path')})"
-        )
-    for batch in itertools.chain([first], batches):
-        for t in batch[column]:
-            if isinstance(t, str) and t:
-                out.append(t)
-                size += len(t)
-        if size >= limit:
-            break
+    try:
+        first = next(batches, None)
+        if first is None:
+            raise DataError(f"{what}: no rows")
+        if column not in first:
+            raise DataError(
+                f"--text-field {column!r}: not a column of the source (columns: "
+                f"{', '.join(k for k in first if k != 'path')})"
+            )
+        for batch in itertools.chain([first], batches):
+            for t in batch[column]:
+                if isinstance(t, str) and t:
+                    out.append(t)
+                    size += len(t)
+            if size >= limit:
+                break
+    finally:
+        # closed now, while Ray runs: left to the garbage collector after Ray's shutdown it started
+        # Ray again and printed a traceback (or crashed Ray's core worker) after the error line
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
     return out
 
 
