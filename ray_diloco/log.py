@@ -32,6 +32,17 @@ def error_line(e: BaseException, typed: bool = True, limit: int | None = None) -
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def causes(e: BaseException | None, limit: int = 10) -> list[BaseException]:
+    """``e`` and what it wraps, outermost first: a Ray task error's ``cause``, else ``__cause__``,
+    else ``__context__`` (at most ``limit``; a loop ends it). The last is the innermost reason
+    (bytes that are not UTF-8 under a library's own error)."""
+    out: list[BaseException] = []
+    while e is not None and len(out) < limit and e not in out:
+        out.append(e)
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return out
+
+
 class _Handler(logging.Handler):
     """Results to stdout, everything else to stderr (the streams of the moment: a test's capture
     sees them), the message alone, written with ``tqdm.write`` (a live bar is redrawn below)."""

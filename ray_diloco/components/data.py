@@ -150,12 +150,16 @@ def _stream(cfg: DataConfig, tokenizer: Any) -> tuple[np.ndarray, Any]:
 
 
 def _tokenized(cfg: DataConfig, tokenizer: Any) -> Corpus:
-    """The corpus tokenised in this process, in memory: the tail ``val_fraction`` held out
+    """The corpus tokenised in this process, in memory: the tail ``val_fraction`` held out."""
+    return _in_memory(*_stream(cfg, tokenizer), cfg.val_fraction)
+
+
+def _in_memory(ids: np.ndarray, tokenizer: Any, fraction: float) -> Corpus:
+    """The stream ``ids`` as an in-memory corpus, its tail ``fraction`` held out
     (``token_store.tail_tokens``, the rule a cached store's writer applies)."""
     from ray_diloco.components.token_store import tail_tokens
 
-    ids, tokenizer = _stream(cfg, tokenizer)
-    cut = len(ids) - tail_tokens(len(ids), cfg.val_fraction)
+    cut = len(ids) - tail_tokens(len(ids), fraction)
     return Corpus(train=ids[:cut], val=ids[cut:], vocab_size=len(tokenizer), tokenizer=tokenizer)
 
 
@@ -249,7 +253,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
     import shutil
 
     from ray_diloco.components.storage import publish_dir, storage_reason
-    from ray_diloco.components.token_store import TokenStore, tail_tokens, write_store
+    from ray_diloco.components.token_store import TokenStore, write_store
 
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
         return _tokenized(cfg, tokenizer)  # a slow (Python) tokenizer: no JSON to key the cache by
@@ -295,8 +299,7 @@ def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: s
             f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
             f"({storage_reason(e)}); it stays in memory"
         )
-        cut = len(ids) - tail_tokens(len(ids), cfg.val_fraction)
-        return Corpus(train=ids[:cut], val=ids[cut:], vocab_size=len(tok), tokenizer=tok)
+        return _in_memory(ids, tok, cfg.val_fraction)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

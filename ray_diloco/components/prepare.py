@@ -40,7 +40,7 @@ from ray_diloco.components.address import connect_ray
 from ray_diloco.components.text import EOS, char_tokenizer, encode_documents, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import DataError
-from ray_diloco.log import error_line
+from ray_diloco.log import causes, error_line
 
 logger = logging.getLogger(__name__)
 
@@ -354,28 +354,17 @@ def _check_options(o: PrepareOptions) -> None:
 
 def _data_error(e: BaseException | None) -> DataError | None:
     """The DataError a Ray task raised, found in the chain of ``e`` (Ray wraps it)."""
-    for c in _chain(e):
+    for c in causes(e):
         if isinstance(c, DataError):
             return DataError(str(c))
     return None
 
 
-def _chain(e: BaseException | None) -> list[BaseException]:
-    """``e`` and what it wraps (a Ray task error's ``cause``, ``__cause__``, ``__context__``), outermost first."""
-    out: list[BaseException] = []
-    while e is not None and len(out) < 10 and e not in out:
-        out.append(e)
-        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
-    return out
-
-
 def _failure(e: BaseException) -> DataError:
     """One line for a prepare that failed in Ray: the innermost error that is not Ray's own
     (a JSON row that does not parse, bytes that are not UTF-8), not Ray Data's retry advice."""
-    inner = [c for c in _chain(e) if not type(c).__module__.startswith("ray")]
-    root = inner[-1] if inner else e
-    text = str(root).strip().splitlines()
-    return DataError(f"prepare failed: {type(root).__name__}: {(text[0] if text else '')[:300]}")
+    inner = [c for c in causes(e) if not type(c).__module__.startswith("ray")]
+    return DataError(f"prepare failed: {error_line(inner[-1] if inner else e, limit=300)}")
 
 
 def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ray_diloco.config import DataConfig
 from ray_diloco.errors import DataError
-from ray_diloco.log import error_line
+from ray_diloco.log import causes, error_line
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,8 @@ def load_texts(cfg: DataConfig) -> list[str]:
         raise
     except Exception as e:  # datasets raises many types (FileNotFoundError, ConnectionError, ...)
         src = str(path) if path is not None else cfg.dataset
-        root: BaseException = e
-        while root.__cause__ or root.__context__:  # datasets wraps the reason (bytes not UTF-8, a bad JSON line)
-            root = root.__cause__ or root.__context__  # type: ignore[assignment]
-        raise DataError(f"data: cannot load {src!r}: {error_line(root)}") from None
+        # datasets wraps the reason (bytes not UTF-8, a bad JSON line): the innermost one
+        raise DataError(f"data: cannot load {src!r}: {error_line(causes(e)[-1])}") from None
     for i, t in enumerate(texts):
         if t is not None and not isinstance(t, str):
             raise DataError(
