@@ -80,10 +80,14 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scales(blocks: torch.Tensor, max_value: float) -> torch.Tensor:
-    """Per-block scale ``absmax / max_value`` (fp32 division) raised to ``MIN_SCALE`` (a block of
+    """Per-block scale ``absmax / max_value`` (fp32 division, correctly rounded on every device)
+    raised to ``MIN_SCALE`` (a block of
     subnormals whose scale would round to 0 and encode as NaN), 1 for an all-zero block."""
     absmax = torch.maximum(blocks.amax(dim=1), -blocks.amin(dim=1))  # max |x|, 4x faster than abs().amax on CPU
-    return torch.where(absmax > 0, (absmax / max_value).clamp_min(MIN_SCALE), torch.ones_like(absmax))
+    # divided by a tensor, not a Python number: CUDA computes `t / scalar` as `t * (1 / scalar)`,
+    # an ulp off the correctly rounded quotient the CPU (and the fused codec) computes for 127 and 448
+    scale = torch.div(absmax, torch.full_like(absmax, max_value)).clamp_min(MIN_SCALE)
+    return torch.where(absmax > 0, scale, torch.ones_like(absmax))
 
 
 def _host(x: torch.Tensor, fmt: str) -> bool:

@@ -136,10 +136,18 @@ def driver_placement(cfg: Config) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from ray_diloco.components.threads import outer_threads
+
+    plan = outer_threads(cfg, holds_state=cfg.diloco.outer_shards == 1)
+    process = {"num_cpus": plan.cpus, "runtime_env": plan.runtime_env()}
     if cfg.diloco.driver_resource:  # outside a Tune trial's placement group, whose bundles hold only CPUs
-        return {"resources": {cfg.diloco.driver_resource: DRIVER_RESOURCE_SHARE}, "scheduling_strategy": "DEFAULT"}
+        return {
+            "resources": {cfg.diloco.driver_resource: DRIVER_RESOURCE_SHARE},
+            "scheduling_strategy": "DEFAULT",
+            **process,
+        }
     node = ray.get_runtime_context().get_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False), **process}
 
 
 def _check_driver_resource(cfg: Config, res: dict[str, float]) -> None:
@@ -153,17 +161,29 @@ def _check_driver_resource(cfg: Config, res: dict[str, float]) -> None:
         )
 
 
+def _beside(outer: float) -> str:
+    return f" beside the {outer:g} of diloco.outer_cpus" if outer else ""
+
+
 def _check_resources(cfg: Config, res: dict[str, float]) -> float:
     """:func:`check_resources` against the cluster's resources ``res`` now."""
+    from ray_diloco.components.threads import outer_reserved_cpus
+
     d = cfg.diloco
     n = d.replicas * d.workers_per_replica
-    have_cpu = res.get("CPU", 0)
+    outer = outer_reserved_cpus(cfg)
+    have_cpu = res.get("CPU", 0) - outer  # what the outer side reserves is not the workers'
     product = f"diloco.replicas x diloco.workers_per_replica = {d.replicas} x {d.workers_per_replica} = {n} workers"
+    if outer > have_cpu + outer - 0.5:
+        raise ClusterError(
+            f"diloco.outer_cpus = {d.outer_cpus:g} (x {d.outer_shards} outer shards = {outer:g} CPUs): the Ray cluster "
+            f"has {have_cpu + outer:g} CPUs, and the workers need some: lower diloco.outer_cpus or add nodes"
+        )
     if d.cpus_per_worker is None:
         per = have_cpu / n
         if per < MIN_AUTO_CPUS:
             raise ClusterError(
-                f"{product}, but the Ray cluster has {have_cpu:g} CPUs (fewer than {MIN_AUTO_CPUS:g} per worker): "
+                f"{product}, but the Ray cluster has {have_cpu:g} CPUs{_beside(outer)} (fewer than {MIN_AUTO_CPUS:g} per worker): "
                 "lower diloco.replicas or diloco.workers_per_replica, add nodes, or set diloco.cpus_per_worker"
             )
         cpus = float(int(per)) if per >= 1 else per
@@ -172,7 +192,7 @@ def _check_resources(cfg: Config, res: dict[str, float]) -> float:
         if n * cpus > have_cpu:
             raise ClusterError(
                 f"{product} x diloco.cpus_per_worker {cpus:g} = {n * cpus:g} CPUs, "
-                f"but the Ray cluster has {have_cpu:g}: lower one of them or add nodes"
+                f"but the Ray cluster has {have_cpu:g}{_beside(outer)}: lower one of them or add nodes"
             )
     need_gpu = n * d.gpus_per_worker
     if need_gpu > res.get("GPU", 0):
@@ -233,6 +253,7 @@ def _spawn(
     """Create the replica's worker actors in its (placed) placement group."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from ray_diloco.components.threads import worker_threads
     from ray_diloco.runtime.replica import ReplicaWorkerActor as Worker
 
     d = cfg.diloco
@@ -241,6 +262,7 @@ def _spawn(
             Worker.options(
                 num_cpus=d.cpus_per_worker,
                 num_gpus=d.gpus_per_worker,
+                runtime_env=worker_threads(cfg).runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     r.placement_group, placement_group_bundle_index=r.bundle_offset + rank
                 ),

@@ -59,6 +59,7 @@ import numpy as np
 import ray
 import torch
 
+from ray_diloco.components.threads import outer_threads
 from ray_diloco.core.outer import outer_state_hash
 from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.rounds import Finished, Round, RoundBook
@@ -649,6 +650,8 @@ class OuterDriver:
         from ray_diloco.config import load_config
 
         self.cfg = c = load_config(cfg, validate=False)
+        self.threads = outer_threads(c, holds_state=c.diloco.outer_shards == 1)  # K = 1: the shard's own plan
+        self.threads.apply()
         self.numels: list[int] | None = None
         start = dict(members) if members is not None else {m: 0 for m in range(c.diloco.replicas)}
         self.book = RoundBook(start, c.diloco.min_replicas, c.diloco.sync_timeout_s, KEEP_FINISHED, MAX_EVENTS)
@@ -856,6 +859,12 @@ class OuterDriver:
         Raises:
             CheckpointError: the file is unreadable. RuntimeError: already set."""
         return await self.files.load_state_file(entry, checkpoint_id)
+
+    async def thread_reports(self) -> list[dict[str, Any]]:
+        """The threads of the outer side's processes (``components.threads.ThreadPlan.report``):
+        the driver's, then each shard actor's (K > 1)."""
+        shards = await self.shards.all("thread_report") if self.shards.actors else []
+        return [self.threads.report(), *shards]
 
     async def memory(self) -> dict[str, int]:
         """What the driver holds: open and finished rounds, their bytes (checked pseudo-gradients

@@ -35,18 +35,12 @@ import numpy as np
 import ray
 import torch
 
+from ray_diloco.components.threads import outer_threads
+from ray_diloco.config import load_config
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
 from ray_diloco.core.quantize import SCALED, Packed, from_message, fused_codec, message_nbytes
 from ray_diloco.core.shards import shard_bounds, slice_optimizer_state
 from ray_diloco.core.wire import Downlink, is_raw, message_numel, message_size, message_values
-
-
-def _maths_threads() -> int:
-    """Threads for the outer step's tensor maths (Ray gives a ``num_cpus=0`` actor one)."""
-    try:
-        return max(1, min(4, len(os.sched_getaffinity(0))))
-    except AttributeError:
-        return max(1, min(4, os.cpu_count() or 1))
 
 
 def _decode_and_check(message: Any) -> tuple[np.ndarray | Packed | None, float | None]:
@@ -89,8 +83,6 @@ class OuterShard:
     """
 
     def __init__(self, cfg: dict[str, Any], shard: int = 0, shards: int = 1):
-        from ray_diloco.config import load_config
-
         self.cfg = load_config(cfg, validate=False)
         self.shard, self.shards = int(shard), int(shards)
         self.opt: OuterOptimizer | None = None
@@ -98,10 +90,11 @@ class OuterShard:
         self.pending: dict[tuple[int, int], dict[int, np.ndarray | Packed]] = {}  # checked, not yet summed
         self.held: dict[int, dict[int, dict[str, Any]]] = {}  # the copies this shard keeps: {shard: {fragment: ..}}
         self._held_lock = threading.Lock()
-        torch.set_num_threads(_maths_threads())
+        self.threads = outer_threads(self.cfg)  # the process's plan (diloco.outer_cpus)
+        self.threads.apply()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outer-maths")  # FIFO: fixed order
         # decoding and checking a pseudo-gradient needs no order: they run side by side as they arrive
-        self._checks = ThreadPoolExecutor(max_workers=_maths_threads(), thread_name_prefix="outer-check")
+        self._checks = ThreadPoolExecutor(max_workers=max(2, self.threads.intra_op), thread_name_prefix="outer-check")
 
     def __repr__(self) -> str:  # Ray's name for the actor in its logs and state API (`ray list actors`)
         return f"OuterShard({self.shard}/{self.shards})"
@@ -274,6 +267,10 @@ class OuterShard:
         """sha256 of the global parameters and outer buffers (K = 1: the whole state's)."""
         assert self.opt is not None  # set_global first
         return await self._maths(self.opt.state_hash)
+
+    def thread_report(self) -> dict[str, Any]:
+        """The threads this shard's process uses (``components.threads.ThreadPlan.report``)."""
+        return self.threads.report()
 
     def memory(self) -> dict[str, int]:
         """Bytes of the checked pseudo-gradients kept for open rounds, of the copies of another
@@ -475,7 +472,10 @@ class ShardGroup:
 
         node = self.nodes[i]
         where = "SPREAD" if node is None else NodeAffinitySchedulingStrategy(node, soft=False)
-        return OuterShardActor.options(scheduling_strategy=where).remote(self.cfg, i, self.k)
+        plan = outer_threads(load_config(self.cfg, validate=False))
+        return OuterShardActor.options(
+            scheduling_strategy=where, num_cpus=plan.cpus, runtime_env=plan.runtime_env()
+        ).remote(self.cfg, i, self.k)
 
     def buddy(self, i: int) -> int:
         """The shard that keeps a copy of shard ``i``'s state."""

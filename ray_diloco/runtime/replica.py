@@ -22,12 +22,13 @@ import socket
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
+from ray_diloco.components.threads import worker_threads
 from ray_diloco.config import load_config
 from ray_diloco.core.fragments import Fragment, ParamSpec, fragment_plan, param_specs, plan_fragments
 from ray_diloco.core.schedules import SyncSchedule
@@ -35,7 +36,14 @@ from ray_diloco.core.shards import rank_fragment
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.errors import ClusterError, ConfigError
-from ray_diloco.models.transformer import ModelFn, build_model, make_inner_optimizer, resolve_model_shape
+from ray_diloco.models.transformer import (
+    ModelFn,
+    build_model,
+    compile_blocks,
+    compile_wanted,
+    make_inner_optimizer,
+    resolve_model_shape,
+)
 from ray_diloco.runtime.inner_loop import InnerLoop, WorkerParts, WorkerState
 from ray_diloco.runtime.link import Link, fetch_global
 
@@ -152,7 +160,8 @@ class ReplicaWorker:
                  num_shards: int, vocab_size: int, model_fn: ModelFn | None = None, allreduce_emulation: bool = False):  # fmt: skip
         cfg = self.cfg = load_config(config, validate=False)
         self.allreduce_emulation = allreduce_emulation
-        torch.set_num_threads(max(1, int(cfg.diloco.cpus_per_worker or 1)))
+        self.threads = worker_threads(cfg)
+        self.threads.apply()
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         model, device, self.problem = worker_model(cfg, vocab_size, model_fn)
@@ -188,6 +197,9 @@ class ReplicaWorker:
         if p.world_size > 1:
             assert master is not None  # rank 0's TCPStore address: the launcher passes it to every rank
             self.loop.group = _init_group(master, p.rank, p.world_size, p.device, self.cfg.diloco.pg_timeout_s)
+        if compile_wanted(self.cfg.run.compile, p.device):  # blocks in place, before DDP / FSDP2 wrap them
+            compile_blocks(p.model)
+            self.loop.compiling = True
         if p.fsdp:
             self._shard()
         elif p.world_size > 1:
@@ -197,8 +209,6 @@ class ReplicaWorker:
             net = self.cfg.network
             if self.allreduce_emulation and (net.bandwidth_gbps or net.latency_ms):
                 p.net.register_comm_hook(None, _dp_emulation_hook(self.loop))
-        if self.cfg.run.compile:
-            p.net = cast(torch.nn.Module, torch.compile(p.net))
         p.open_reader(train_tokens)
         p.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(p.device)}
@@ -215,6 +225,11 @@ class ReplicaWorker:
         p.sync_fragments = [rank_fragment(f, p.world_size, p.rank) for f in p.fragments]
         p.optimizer = make_inner_optimizer(p.model, self.cfg)
         p.new_sync()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def thread_report(self) -> dict[str, Any]:
+        """The threads this worker's process uses (``components.threads.ThreadPlan.report``)."""
+        return self.threads.report()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def pid(self) -> int:

@@ -88,6 +88,24 @@ def test_fused_codec_bytes_and_values_equal_the_torch_codec(fmt: str, case: str)
     assert np.array_equal(acc, np.float32(0.5) + want[start:])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on one, run "
+                    "python -m pytest tests/unit/core/test_codec.py -k cuda")
+@pytest.mark.parametrize("fmt", SCALED)
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_torch_codec_on_a_cuda_gpu_writes_the_fused_codecs_bytes(fmt: str, case: str) -> None:
+    """A GPU replica's message equals a CPU replica's byte for byte: scales by true division
+    (CUDA turns a division by a Python number into a multiplication by its reciprocal, an ulp
+    off for int8's 127 and fp8's 448), the same codes, the same decoded values."""
+    x = CASES[case]
+    payload, scales = codec.encode(x, fmt)
+    got_p, got_s = encode_tensor_torch(torch.from_numpy(x).cuda(), fmt)
+    assert np.array_equal(got_s.cpu().numpy().view(np.uint32), scales.view(np.uint32))
+    assert np.array_equal(got_p.cpu().numpy(), payload)
+    want = codec.decode_into(payload, scales, fmt, np.empty(x.size, np.float32))
+    got = decode_tensor_torch(got_p, got_s, x.size, fmt).cpu().numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("fmt", SCALED)
 def test_error_feedback_and_downlink_in_one_pass_equal_the_torch_steps(fmt: str) -> None:
     x = CASES["normal_padded"]
