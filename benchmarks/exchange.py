@@ -25,11 +25,16 @@ its sync step. For each (P, M, format, K):
   the process's own memory) and ``*_shmem_u`` (``RssShmem``: object-store pages mapped);
   ``outer_max_private_u``: the largest one process of the outer side;
   ``job_private_u``: the job's process (the trainer);
+- ``--cpus C``: the CPUs each process of the run reserves, so its threads
+  (``components.threads``): ``diloco.cpus_per_worker`` C and, with K = 1, ``diloco.outer_cpus`` C
+  (K > 1 shards reserve none: one thread each); default this machine's cores shared by the M
+  replicas and the outer side (1 on 2 cores with M = 2, 5 on 16); the gloo all-reduce's processes
+  get as many torch threads (gloo itself uses none of them) (``cpus_per_process`` in each row);
 - ``--step-s S``: each inner step also sleeps S seconds (0: the exchange is all there is, its worst
   case; with S > 0 work done in the background between syncs, e.g. the shards' copies, is hidden
   as real compute hides it);
 - ``--nodes N`` (default 1: one local Ray node): a multi-node Ray cluster on this machine
-  (``ray.cluster_utils.Cluster``): a head without CPUs for the job and the outer side (the driver
+  (``ray.cluster_utils.Cluster``): a head for the job and the outer side (``--cpus`` CPUs: the driver
   is pinned to the job's node; K > 1 shards go to the replicas' nodes), and N - 1 nodes for the
   replicas, each with its own raylet and object store, so pseudo-gradients and replies cross the
   object manager between stores as on a real cluster (``nodes`` in each row);
@@ -161,7 +166,7 @@ class Sampler:
 
 # -- the run ------------------------------------------------------------------------------------
 def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str, shards: int = 1,
-            backup: bool = True):
+            backup: bool = True, cpus: float = 1):
     from ray_diloco.config import load_config
 
     H = 2
@@ -169,7 +174,8 @@ def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str
         "model": {"preset": "tiny", "n_layers": 1, "n_heads": 1, "d_model": 8, "d_ff": 8, "context": 16},
         "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 16},
         "inner": {"global_batch": 4, "warmup_steps": 1},
-        "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": 1, "sync_timeout_s": 1800.0,
+        "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": cpus,
+                   "outer_cpus": cpus if shards == 1 else 0, "sync_timeout_s": 1800.0,
                    "outer_shards": shards, "outer_shard_backup": backup},
         "streaming": {"quantization": fmt},
         "run": {"steps": H * outer_steps, "eval_every": 0, "checkpoint_every": 0, "log_hashes": False,
@@ -179,15 +185,16 @@ def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str
 
 
 def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str,
-                 shards: int = 1, backup: bool = True, step_s: float = 0.0) -> dict:
-    """One run of ``outer_steps`` outer steps; the sync figures and peak memories."""
+                 shards: int = 1, backup: bool = True, step_s: float = 0.0, on_step=None, cpus: float = 1) -> dict:
+    """One run of ``outer_steps`` outer steps; the sync figures and peak memories. ``on_step(k)``,
+    when given, is called before outer step k (1-based) and with ``outer_steps + 1`` after the last."""
     import ray
 
     from ray_diloco.runtime.cluster import all_workers
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup)
+    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup, cpus)
     t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params, step_s))
     t.start()
     try:
@@ -198,10 +205,14 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
         syncs, moved = [], []
         for k in range(1, outer_steps + 1):
             start, end = (k - 1) * cfg.diloco.H, k * cfg.diloco.H
+            if on_step is not None:
+                on_step(k)
             metrics = ray.get([w.train.remote(start, end) for w in workers])
             if k > 1:
                 syncs += [m["sync_s"] for m in metrics]
                 moved += [m["link"]["bytes_up"] + m["link"]["bytes_down"] for m in metrics]
+        if on_step is not None:
+            on_step(outer_steps + 1)
         peak_total = sampler.stop()
         copies = ray.get(t.driver.memory.remote())["backup_bytes"]
         outer_hwm = sum(_status(p, "VmHWM") for p in outer_pids)
@@ -218,10 +229,10 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
             "worker_shmem": max(sampler.shmem[p] for p in worker_pids), "job_private": sampler.private[os.getpid()]}
 
 
-def _allreduce_proc(rank: int, world: int, port: int, params: int, reps: int, out) -> None:
+def _allreduce_proc(rank: int, world: int, port: int, params: int, reps: int, out, threads: int = 1) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.randn(params)
     times = []
@@ -235,8 +246,9 @@ def _allreduce_proc(rank: int, world: int, port: int, params: int, reps: int, ou
         out.put(statistics.median(times[1:]))
 
 
-def measure_allreduce(params: int, world: int, reps: int = 5) -> float:
-    """Median seconds of a gloo all-reduce of fp32 ``[params]`` among ``world`` processes."""
+def measure_allreduce(params: int, world: int, reps: int = 5, threads: int = 1) -> float:
+    """Median seconds of a gloo all-reduce of fp32 ``[params]`` among ``world`` processes (each
+    with ``threads`` torch threads, as a replica worker's share)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -244,7 +256,8 @@ def measure_allreduce(params: int, world: int, reps: int = 5) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_proc, args=(r, world, port, params, reps, out)) for r in range(world)]
+    procs = [ctx.Process(target=_allreduce_proc, args=(r, world, port, params, reps, out, threads))
+             for r in range(world)]
     for p in procs:
         p.start()
     value = out.get(timeout=900)
@@ -281,8 +294,13 @@ def main() -> None:
     ap.add_argument("--store", choices=("warm", "cold"), default="warm",
                     help="warm: every node's object store preallocated (its pages faulted in at start, as a long "
                          "run's are after its first outer steps); cold: the syncs measured pay the first touches")
+    ap.add_argument("--cpus", type=float, default=None,
+                    help="CPUs each process of the run reserves (diloco.cpus_per_worker and diloco.outer_cpus: "
+                         "its threads); default: this machine's cores shared by the M replicas and the outer side, "
+                         "at least 1")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    cpus = args.cpus or float(max(1, (os.cpu_count() or 1) // (max(args.replicas) + 1)))
     if args.store == "warm":  # read by every raylet this process starts (the local one, or the Cluster's)
         os.environ["RAY_preallocate_plasma_memory"] = "1"
 
@@ -295,21 +313,22 @@ def main() -> None:
     if args.nodes > 1:  # every node its own raylet and object store: transfers cross the object manager
         from ray.cluster_utils import Cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": store})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "object_store_memory": store})
         per_node = -(-max(args.replicas) // (args.nodes - 1))
         for _ in range(args.nodes - 1):
-            cluster.add_node(num_cpus=per_node, object_store_memory=store)
+            cluster.add_node(num_cpus=per_node * cpus, object_store_memory=store)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
     else:
-        ray.init(address="local", num_cpus=max(args.replicas) + 1, object_store_memory=store, include_dashboard=False,
+        ray.init(address="local", num_cpus=(max(args.replicas) + 1) * cpus, object_store_memory=store,
+                 include_dashboard=False,
                  logging_level="ERROR")
     cfg0 = _config(1000, 2, "none", 2, "/tmp")
     corpus = load_corpus(cfg0.data)
     skip = {(int(float(p)), int(m)) for p, m in (s.split(":") for s in args.skip)}
     rows = []
     out_dir = tempfile.mkdtemp(prefix="exchange-bench-")
-    base = {(m, k): measure_sync(1000, m, "none", 2, corpus, out_dir, k)["run_peak_total"]
+    base = {(m, k): measure_sync(1000, m, "none", 2, corpus, out_dir, k, cpus=cpus)["run_peak_total"]
             for m in args.replicas for k in args.shards}
     print(f"{'P':>6} {'M':>2} {'format':>9} {'K':>2} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
           f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7} {'copy_U':>6}", flush=True)
@@ -319,12 +338,12 @@ def main() -> None:
         for m in args.replicas:
             if (p, m) in skip:
                 continue
-            allreduce_s = measure_allreduce(p, m)
+            allreduce_s = measure_allreduce(p, m, threads=max(1, int(cpus)))
             for fmt, k, b in ((f, k, b) for f in args.formats for k in args.shards for b in args.backup):
                 if k == 1 and b == "off" and "on" in args.backup:
                     continue  # K = 1 keeps no copies: the same run
-                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s)
-                row = {"params": p, "replicas": m, "nodes": args.nodes, "store": args.store, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
+                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s, cpus=cpus)
+                row = {"params": p, "replicas": m, "nodes": args.nodes, "cpus_per_process": cpus, "store": args.store, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
                        "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"],
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,

@@ -20,7 +20,7 @@ P fp32 values, for ``streaming.quantization`` ``none`` (fp32) and ``fp4_e3m0`` w
 - ``outer_step``: the mean of M pseudo-gradients and the Nesterov step in one chunked pass
   (``core.outer.OrderedMean`` + ``OuterOptimizer.step_ordered``; fp4: the terms decoded a chunk
   at a time and the update encoded, applied and its residual kept per chunk,
-  ``core.wire.Downlink.step``), with the outer side's threads (``runtime.outer_shards._maths_threads``);
+  ``core.wire.Downlink.step``), with the outer side's threads (``--outer-cpus``: ``components.threads.thread_plan``);
 - ``reply_put``: ``ray.put`` of the new global fragment (the reply every replica reads);
 - ``merge``: ``core.fragments.unflatten_into`` of the new global into the parameters, one thread
   (fp4: after ``core.wire.apply_downlink`` decoded the reply onto the old global);
@@ -33,6 +33,18 @@ P fp32 values, for ``streaming.quantization`` ``none`` (fp32) and ``fp4_e3m0`` w
 Each figure is the median of ``--repeats`` runs after one warm-up.
 
     python benchmarks/sync_profile.py [--params 1e8] [--replicas 2] [--repeats 3] [--json PATH]
+
+``--in-run FORMAT`` profiles the syncs of a real run instead (``benchmarks/exchange.py``'s run: M
+replica actors, the outer driver, the object store, each process with the threads a run gives
+it): every process of the run is sampled (``benchmarks/stack_sampler.py``: each Python thread's
+stack every 10 ms, each OS thread's CPU seconds) over the outer steps after the first, and the
+table gives, per process, the wall seconds of the window, where its Python threads were (the
+top frames, in seconds), and the CPU seconds of its threads that run Python and of those that
+do not (OpenMP and numba pools, Ray's own threads), with the thread settings each process saw.
+Environment variables given with ``--env NAME=VALUE`` reach every process of the run (the
+raylet it starts passes them on).
+
+    python benchmarks/sync_profile.py --in-run fp4_e3m0 [--params 1e8] [--outer-steps 4] [--env OMP_WAIT_POLICY=PASSIVE]
 """
 
 from __future__ import annotations
@@ -57,22 +69,22 @@ def timed(fn, repeats: int, threads: int, warmup: int = 1) -> float:
     return codec_timed(fn, repeats, warmup)
 
 
-def profile(params: int, replicas: int, repeats: int) -> dict:
+def profile(params: int, replicas: int, repeats: int, outer_cpus: float = 1) -> dict:
     import ray
 
+    from ray_diloco.components.threads import thread_plan
     from ray_diloco.config.schema import OuterConfig
     from ray_diloco.core.fragments import Fragment, ParamSpec, pseudo_gradient, unflatten_into
     from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
     from ray_diloco.core.quantize import encode_message, fused_codec
     from ray_diloco.core.wire import Downlink, apply_downlink
-    from ray_diloco.runtime.outer_shards import _maths_threads
 
     rng = np.random.default_rng(0)
     glob = torch.from_numpy(rng.standard_normal(params, dtype=np.float32))
     local = {"w": glob + torch.from_numpy(rng.standard_normal(params, dtype=np.float32)) * 0.01}
     frag = Fragment(0, (ParamSpec("w", (params,)),))
     buf = torch.empty(params)
-    outer_threads = _maths_threads()
+    outer_threads = thread_plan("outer side", outer_cpus).intra_op
     os.environ["RAY_preallocate_plasma_memory"] = "1"
     store = int(min(6e9, max(1e9, 8 * 4 * params)))  # as benchmarks/exchange.py's
     ray.init(address="local", num_cpus=2, object_store_memory=store, include_dashboard=False, logging_level="ERROR")
@@ -154,14 +166,97 @@ def _unpack(message):
     return from_message(message)
 
 
+def in_run(params: int, replicas: int, fmt: str, outer_steps: int, env: list[str], top: int = 8) -> dict:
+    """Profile the syncs of ``benchmarks/exchange.py``'s run (see the module docstring)."""
+    import tempfile
+    import time
+
+    import ray
+    import stack_sampler
+    from exchange import _config, measure_sync
+
+    from ray_diloco.components.data import load_corpus
+
+    for kv in env:
+        k, _, v = kv.partition("=")
+        os.environ[k] = v
+    folder = tempfile.mkdtemp(prefix="stacks-")
+    here = str(Path(__file__).resolve().parent)
+    os.environ["RAY_DILOCO_STACKS"] = folder
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["RAY_preallocate_plasma_memory"] = "1"
+    stack_sampler.start()
+    store = int(min(6e9, max(1e9, 8 * 4 * params)))
+    ray.init(address="local", num_cpus=replicas + 1, object_store_memory=store, include_dashboard=False,
+             logging_level="ERROR", runtime_env={"worker_process_setup_hook": "stack_sampler.start"})
+    on = os.path.join(folder, "ON")
+
+    def window(k: int) -> None:  # sample outer steps 2.. (the first pays start-up)
+        if k == 2:
+            open(on, "w").close()
+        elif k == outer_steps + 1 and os.path.exists(on):
+            os.remove(on)
+            time.sleep(1.5)  # every sampler writes its closed window
+
+    try:
+        corpus = load_corpus(_config(1000, 2, "none", 2, "/tmp").data)
+        r = measure_sync(params, replicas, fmt, outer_steps, corpus, tempfile.mkdtemp(prefix="sync-prof-"),
+                         on_step=window)
+    finally:
+        ray.shutdown()
+    procs = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json"):
+            continue
+        doc = json.load(open(os.path.join(folder, name)))
+        if not doc["counts"]:
+            continue
+        every, wall = doc["every_s"], doc["window_s"]
+        frames = [(label, n * every, thread) for thread, c in doc["counts"].items() for label, n in c.items()]
+        frames.sort(key=lambda x: -x[1])
+        py_threads = set(doc["counts"])
+        cpu = doc["thread_cpu_s"]
+        py_cpu = sum(v for k, v in cpu.items() if k.split(":", 1)[1] in py_threads)
+        procs.append({"title": doc["title"], "pid": doc["pid"], "window_s": wall, "settings": doc["settings"],
+                      "cpu_s": sum(cpu.values()), "threads": len(cpu),
+                      "busiest_threads": sorted(cpu.items(), key=lambda x: -x[1])[:top],
+                      "python_thread_cpu_s": py_cpu, "top_frames": frames[:top]})
+    return {"params": params, "replicas": replicas, "format": fmt, "env": env, "sync_s": r["sync_s"],
+            "sync_s_all": r["sync_s_all"], "processes": procs, "load_avg_1m": os.getloadavg()[0]}
+
+
+def print_in_run(res: dict) -> None:
+    print(f"{res['params'] / 1e6:g}M, M={res['replicas']}, {res['format']}, env {res['env'] or '-'}: "
+          f"sync {res['sync_s']:.3f} s (all {', '.join(f'{x:.2f}' for x in res['sync_s_all'])}), "
+          f"load {res['load_avg_1m']:.1f}")
+    for p in res["processes"]:
+        print(f"\n{p['title']} (pid {p['pid']}): window {p['window_s']:.1f} s, CPU {p['cpu_s']:.1f} s in "
+              f"{p['threads']} threads; settings {p['settings']}")
+        print("  busiest threads: " + ", ".join(f"{k} {v:.1f}s" for k, v in p["busiest_threads"]))
+        for label, sec, thread in p["top_frames"]:
+            print(f"  {sec:7.2f} s  [{thread}] {label}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=1e8)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--in-run", default=None, metavar="FORMAT",
+                    help="profile a real run's syncs in this streaming.quantization format instead")
+    ap.add_argument("--outer-steps", type=int, default=4, help="--in-run: outer steps (the first is not sampled)")
+    ap.add_argument("--env", nargs="*", default=[], help="--in-run: NAME=VALUE for every process of the run")
+    ap.add_argument("--outer-cpus", type=float, default=1, help="diloco.outer_cpus: the outer side's threads")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    row = profile(int(a.params), a.replicas, a.repeats)
+    if a.in_run:
+        res = in_run(int(a.params), a.replicas, a.in_run, a.outer_steps, a.env)
+        print_in_run(res)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    row = profile(int(a.params), a.replicas, a.repeats, a.outer_cpus)
     print(f"{row['params'] / 1e6:.0f}M fp32 values, M={row['replicas']}, outer-side threads {row['outer_threads']}; "
           f"gloo all-reduce {row['allreduce_s']:.3f} s")
     print(f"{'step':18} {'fp32 s':>8} {'x memcpy':>9} {'x all-reduce':>13} {'fp4 s':>8} {'x memcpy':>9} {'x all-reduce':>13}")

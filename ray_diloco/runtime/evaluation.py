@@ -29,6 +29,7 @@ def _part(
     windows: np.ndarray,
     model_fn: Any,
     gpus: float,
+    cpus: float = 1.0,
 ) -> dict[str, Any]:
     """One task: the summed loss of ``windows`` (int ``[k]``) under the checkpoint's global
     parameters (from ``params``, an object-store list, when given; else read from ``outer.pt``)."""
@@ -36,8 +37,10 @@ def _part(
 
     from ray_diloco.components.checkpoint import read_own_state
     from ray_diloco.components.evaluate import evaluate_checkpoint
+    from ray_diloco.components.threads import thread_plan
     from ray_diloco.runtime.replica import worker_device
 
+    thread_plan("evaluation", cpus, gpu=gpus > 0).apply()
     device, problem = worker_device(gpus)
     if problem:
         return {"error": problem}
@@ -109,14 +112,19 @@ def evaluate_on_cluster(
     n = val_windows(tokens, cfg.data.seq_len)
     k = workers or cfg.diloco.replicas * cfg.diloco.workers_per_replica
     parts = [w for w in np.array_split(np.arange(n), max(1, min(k, n))) if len(w)]
-    gpus = float(cfg.diloco.gpus_per_worker or 0)
-    task = ray.remote(_part).options(num_cpus=float(cfg.diloco.cpus_per_worker or 1), num_gpus=gpus, max_retries=0)
+    from ray_diloco.components.threads import thread_plan
+
+    gpus, cpus = float(cfg.diloco.gpus_per_worker or 0), float(cfg.diloco.cpus_per_worker or 1)
+    plan = thread_plan("evaluation", cpus, gpu=gpus > 0)
+    task = ray.remote(_part).options(num_cpus=cpus, num_gpus=gpus, max_retries=0, runtime_env=plan.runtime_env())
     tokens_ref = ray.put(np.asarray(tokens))
-    out = ray.get([task.remote(state, None, vocab_size, tokens_ref, w, model_fn, gpus) for w in parts])
+    out = ray.get([task.remote(state, None, vocab_size, tokens_ref, w, model_fn, gpus, cpus) for w in parts])
     unseen = [i for i, r in enumerate(out) if r.get("unseen")]
     if unseen:  # their nodes do not see the run directory: the parameters go through the object store
         ref = ray.put(global_params(state))
-        again = ray.get([task.remote(state, ref, vocab_size, tokens_ref, parts[i], model_fn, gpus) for i in unseen])
+        again = ray.get(
+            [task.remote(state, ref, vocab_size, tokens_ref, parts[i], model_fn, gpus, cpus) for i in unseen]
+        )
         for i, r in zip(unseen, again):
             out[i] = r
     errors = [r["error"] for r in out if "error" in r]

@@ -28,6 +28,7 @@ from ray_diloco.components.data import Corpus, eval_split, load_corpus, num_trai
 from ray_diloco.components.export import export_model
 from ray_diloco.components.mirror import Mirror, download_run
 from ray_diloco.components.storage import filesystem, is_uri, join_uri, write_text
+from ray_diloco.components.threads import job_threads
 from ray_diloco.components.token_store import load_saved_tokenizer
 from ray_diloco.components.tracking import Tracker, write_summary
 from ray_diloco.config import Config, load_config
@@ -228,6 +229,16 @@ def _finished(run_dir: Path, steps: int) -> dict[str, Any] | None:
     return summary
 
 
+def _start_ray(cfg: Config) -> bool:
+    """``init_ray``; a run that started its own Ray owns this process (the CLI's): its threads then
+    follow the job's plan (``components.threads``), set after Ray started so that Ray's own
+    processes keep Ray's settings. Returns whether it started Ray."""
+    started = init_ray(cfg)
+    if started:
+        job_threads().apply()
+    return started
+
+
 def train(config: Any = None, overrides: list[str] | None = None, *, resume: str | Path | None = None,
           address: str | None = None, model_fn: ModelFn | None = None, corpus: Corpus | None = None,
           on_outer_step: Any = None) -> dict[str, Any]:  # fmt: skip
@@ -258,7 +269,7 @@ def train(config: Any = None, overrides: list[str] | None = None, *, resume: str
     corpus = corpus if corpus is not None else _load_corpus(cfg, run_dir)
     resolved = _resolve(cfg, corpus, model_fn, rs)
     _check_corpus(cfg, corpus, run_dir, rs)
-    started_ray = init_ray(cfg)
+    started_ray = _start_ray(cfg)
     # run.storage_path a URI: a copy of the run directory there
     mirror = Mirror(run_dir, cfg.run.storage_path, cfg.run.keep_checkpoints) if is_uri(cfg.run.storage_path) else None
     trainer = Trainer(cfg, run_dir, corpus, model_fn, rs, resolved, mirror, on_outer_step)
@@ -396,6 +407,7 @@ def _open_run_dir(trainer: Trainer, fresh: bool) -> Any:
 def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | None) -> dict[str, Any]:
     """Export the global model to ``RUN_DIR/final`` and return the run's summary."""
     run, st, run_dir = trainer.cfg, trainer.state, trainer.run_dir
+    compiled_before = float(rs["counters"].get("compile_s", 0.0)) if rs else 0.0  # a resumed run's earlier processes
     trainer.settle()
     export_dir = export_model(
         run,
@@ -421,8 +433,10 @@ def _summary(trainer: Trainer, timing: dict[str, float], rs: dict[str, Any] | No
         "wall_s": timing["wall_s"],
         "inner_compute_s": timing["inner_compute_s"],
         "outer_wait_s": timing["outer_wait_s"],
-        "tokens_per_s": (st.tokens - (rs["counters"]["tokens"] if rs else 0)) / timing["wall_s"]
-        if timing["wall_s"] > 0
+        "compile_s": st.compile_s - compiled_before,
+        "tokens_per_s": (st.tokens - (rs["counters"]["tokens"] if rs else 0))
+        / (timing["wall_s"] - st.compile_s + compiled_before)
+        if timing["wall_s"] > st.compile_s - compiled_before
         else None,
         "bytes_sent": st.bytes_sent,
         "bytes_received": st.bytes_received,
