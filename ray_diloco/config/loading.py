@@ -77,6 +77,8 @@ def _coerce(value: Any, tp: Any, key: str, errors: list[str]) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key, errors)
     if origin is typing.Literal:
+        if "true" in args and (isinstance(value, bool) or str(value).lower() in ("true", "false")):
+            return str(value).lower()  # YAML's true/false, --set's True, for a field with those choices
         return _coerce(value, str, key, errors)
     if origin is list:
         if isinstance(value, str):  # --set key=a,b; an empty value, none, null or [] is the empty list

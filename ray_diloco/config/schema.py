@@ -27,6 +27,7 @@ ClosingRound = Literal["average", "outer", "none"]
 JoinInnerState = Literal["peer", "fresh"]
 ReplicaNodes = Literal["one", "several"]
 Sharding = Literal["ddp", "fsdp"]
+CompileMode = Literal["auto", "true", "false"]
 #: Wire formats; a format's id in the wire message is its index here (:mod:`ray_diloco.core.quantize`).
 QuantFormat = Literal["none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0"]
 
@@ -190,7 +191,12 @@ class DiLoCoConfig:
     H: int = 50
     """H, inner steps between outer steps."""
     cpus_per_worker: float | None = None
-    """CPUs reserved per worker; None: the cluster's CPUs shared evenly (at least 0.5 each)."""
+    """CPUs reserved per worker; None: the cluster's CPUs shared evenly (at least 0.5 each). A worker's
+    torch, numba and OpenMP threads are ``floor`` of it, at least 1 (``components.threads``)."""
+    outer_cpus: float = 0
+    """CPUs reserved for each process of the outer side (the driver, and each of the K shards when
+    ``outer_shards`` > 1); their threads are ``floor`` of it, at least 1. 0: nothing reserved, one
+    thread (the outer step of a large model wants more: e.g. 4 on a head node with cores to spare)."""
     gpus_per_worker: float = 0
     """GPUs per worker (CUDA and NCCL when > 0)."""
     placement_timeout_s: float = 120.0
@@ -329,8 +335,12 @@ class RunConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in the backward pass instead of keeping them
     (transformers' activation checkpointing, non-reentrant): less memory, about a third more compute."""
-    compile: bool = False
-    """Compile the model with ``torch.compile`` (on GPUs; on CPU it needs a C++ compiler)."""
+    compile: CompileMode = "auto"
+    """``torch.compile`` each decoder block of the model in place (torchtitan's way; with FSDP2 the
+    compiled blocks are then sharded): ``auto`` on workers with CUDA, off on CPU; ``true``/``false``
+    force it (on CPU inductor needs a C++ compiler). The first inner step of each worker process
+    compiles (``compile_s`` in the metrics, left out of ``tokens_per_s``); merges, resyncs and
+    checkpoint loads do not recompile."""
     log_hashes: bool = False
     """Log the sha256 of the global parameters, the outer state, each worker's global and local parameters
     and the data read, per outer step."""

@@ -81,6 +81,36 @@ def build_transformers_model(shape: dict[str, Any], vocab_size: int | None = Non
     return AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa")
 
 
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: a transformers model's decoder layers (its
+    ``_no_split_modules`` classes), else the entries of every ``nn.ModuleList`` (a ``model_fn``'s
+    blocks). Empty: only the root is sharded."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        blocks = [m for m in model.modules() if type(m).__name__ in names]
+        if blocks:
+            return blocks
+    return [m for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
+
+
+def compile_wanted(mode: str | bool, device: torch.device) -> bool:
+    """``run.compile``: ``auto`` compiles on a CUDA device only; ``true``/``false`` (or a bool) force it."""
+    if mode in ("auto", None):
+        return device.type == "cuda"
+    return mode in (True, "true")
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` each decoder block (:func:`decoder_blocks`) in place (``nn.Module.compile``:
+    the module, its parameters and their names stay as they are), as torchtitan does: identical
+    blocks share one compiled graph (one compile for all of them), and FSDP2 can shard the compiled
+    blocks. A model without blocks is compiled whole, in place. Returns the modules compiled."""
+    blocks = decoder_blocks(model) or [model]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Total elements of ``model.parameters()``."""
     return sum(p.numel() for p in model.parameters())

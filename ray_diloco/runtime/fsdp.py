@@ -15,20 +15,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ray_diloco.models.transformer import decoder_blocks
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor  # fully_shard's parameters
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules to shard one by one: a transformers model's decoder layers (its
-    ``_no_split_modules`` classes), else the entries of every ``nn.ModuleList`` (a ``model_fn``'s
-    blocks). Empty: only the root is sharded."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if names:
-        blocks = [m for m in model.modules() if type(m).__name__ in names]
-        if blocks:
-            return blocks
-    return [m for ml in model.modules() if isinstance(ml, torch.nn.ModuleList) for m in ml]
 
 
 def shard_model(model: torch.nn.Module, world_size: int, device: torch.device, bf16: bool) -> None:

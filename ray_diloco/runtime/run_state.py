@@ -21,6 +21,7 @@ class RunState:
     sync_events: int = 0  # fragment syncs, summed over replicas
     inner_compute_s: float = 0.0  # mean over workers
     train_wall_s: float = 0.0  # wall seconds of the training rounds (no eval/checkpoint)
+    compile_s: float = 0.0  # seconds of the workers' compiling first steps (run.compile), in no other figure
     sync_wait_s: float = 0.0  # seconds a worker's training thread was blocked on the link (mean over workers)
     membership: dict[str, int] = field(default_factory=dict)  # event kind -> count (death, join, rejected, ...)
     last_eval: float | None = None
@@ -52,8 +53,14 @@ class RunState:
         loss_ids = sorted(by_replica)
         losses = [by_replica[m]["train_loss"] for m in loss_ids]
         compute_s = float(np.mean([mtr["compute_s"] for mtr in metrics]))
+        # a round that compiled (run.compile: each worker's first step): that step is left out of the rate
+        compile_s = max((mtr.get("compile_s", 0.0) for mtr in metrics), default=0.0)
+        if compile_s > 0:
+            n_tokens = round(n_tokens * (1 - 1 / max(1, max(mtr.get("steps", 1) for mtr in metrics))))
+        st.compile_s += compile_s
+        wall_run = max(1e-9, wall - compile_s)
         st.inner_compute_s += compute_s
-        st.train_wall_s += wall
+        st.train_wall_s += wall_run
         sync_wait = float(np.mean([mtr["sync_wait_s"] for mtr in metrics]))  # part of outer_wait_s
         st.sync_wait_s += sync_wait
         return {
@@ -61,12 +68,13 @@ class RunState:
             "train_loss_replica": {f"replica_{m}": v for m, v in zip(loss_ids, losses)},
             "inner_lr": metrics[0]["inner_lr"],
             "tokens": st.tokens,
-            "tokens_per_s": n_tokens / wall if wall > 0 else None,
+            "tokens_per_s": n_tokens / wall_run if wall > 0 else None,
             "inner_compute_s": compute_s,
             "sync_wait_s": sync_wait,
-            "outer_wait_s": max(0.0, wall - compute_s),
-            "compute_utilisation": compute_s / wall if wall > 0 else None,
+            "outer_wait_s": max(0.0, wall_run - compute_s),
+            "compute_utilisation": compute_s / wall_run if wall > 0 else None,
             "round_s": wall,
+            "compile_s": compile_s,
             "bytes_sent": sent,
             "bytes_received": received,
             "bytes_sent_total": st.bytes_sent,
