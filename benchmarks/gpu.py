@@ -131,6 +131,7 @@ def plain_loop(cfg, corpus, steps: int, warmup: int, device: torch.device, compi
         x = torch.stack([data[j : j + T] for j in ix]).pin_memory() if device.type == "cuda" else \
             torch.stack([data[j : j + T] for j in ix])
         y = torch.stack([data[j + 1 : j + T + 1] for j in ix])
+        y = y.pin_memory() if device.type == "cuda" else y  # as x: copied without waiting for the GPU
         accumulate_gradients(net, x, y, cfg.inner.micro_batch or B, 0.0, autocast or nullcontext, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), i.grad_clip)
         opt.step()
@@ -204,6 +205,10 @@ def ray_diloco_run(overrides: list[str], out: str, name: str, steps: int, H: int
     res = {"tokens_per_s": tokens / sum(r["round_s"] for r in later), "wall_s": wall,
            "compile_s": rows[0].get("compile_s", 0.0), "first_round_s": rows[0]["round_s"],
            "first_train_loss": rows[0]["train_loss"], "final_train_loss": rows[-1]["train_loss"],
+           # where a round's time went (the outer steps after the first, means): exposed communication
+           "sync_wait_s": float(np.mean([r["sync_wait_s"] for r in later])),
+           "outer_wait_s": float(np.mean([r["outer_wait_s"] for r in later])),
+           "compute_utilisation": float(np.mean([r["compute_utilisation"] or 0 for r in later])),
            "checkpoints": len(os.listdir(os.path.join(out, name, "checkpoints"))), "resumed": None,
            "resume_error": None}
     if resume:
@@ -239,6 +244,8 @@ def main() -> int:
                     help="inner.micro_batch (16 x 2048 tokens: the best measured for 180m on one H200)")
     ap.add_argument("--big-preset", default="1.3b", help="the 1B-class row's preset ('' to skip it)")
     ap.add_argument("--big-timeout", type=float, default=300.0, help="seconds the 1B-class run may take")
+    ap.add_argument("--row-timeout", type=float, default=None,
+                    help="seconds each other ray-diloco run may take (default: none; --quick: 150)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a 2-layer model, 20 steps: checks the script")
     ap.add_argument("--json", default=None, help="write the figures as JSON to this path (after every row)")
     ap.add_argument("--micro-sweep", type=int, nargs="*", default=None,
@@ -302,6 +309,7 @@ def main() -> int:
 
         ray.init(address="local", include_dashboard=False, logging_level="ERROR")
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    row_timeout = a.row_timeout or (150.0 if a.quick else None)
     out = tempfile.mkdtemp(prefix="gpu-bench-")
     loop_steps = 10 if a.smoke else (20 if a.quick else 50)
     try:
@@ -313,11 +321,11 @@ def main() -> int:
                 row("plain loop, compiled", plain_loop(cfg, corpus, loop_steps, 3, device, compile=True), mem)
             torch.cuda.empty_cache()
         with GpuMemory() as mem:
-            row("ray-diloco", ray_diloco_run(common, out, "diloco", steps, H), mem)
+            row("ray-diloco", ray_diloco_run(common, out, "diloco", steps, H, timeout=row_timeout), mem)
         if not a.smoke:
             with GpuMemory() as mem:
                 row("ray-diloco, fp4", ray_diloco_run(common + ["streaming.quantization=fp4_e3m0"], out, "fp4",
-                                                      steps, H, resume=False), mem)
+                                                      steps, H, resume=False, timeout=row_timeout), mem)
         fsdp_ok = not gpu or torch.cuda.device_count() >= 4
         if fsdp_ok:
             with GpuMemory() as mem:

@@ -69,7 +69,7 @@ def accumulate_gradients(
     autocast: Any,
     device: torch.device,
 ) -> torch.Tensor:
-    """Forward and backward of the batch ``x``, ``y`` (int64 ``[B, T]``, host) in passes of
+    """Forward and backward of the batch ``x``, ``y`` (int64 ``[B, T]``, host or ``device``) in passes of
     ``micro`` sequences (``micro`` divides B); each pass's loss is scaled by ``micro / B`` so the
     accumulated gradient is the whole batch's. A DDP ``net`` reduces gradients on the last pass only.
     Returns the batch's mean cross-entropy (nats/token), a fp32 scalar on ``device``."""
@@ -201,6 +201,8 @@ class InnerLoop:
         assert p.reader is not None  # opened by setup
         x, y, idx = p.reader.next_batch(p.cfg.batch_per_worker)
         digest.update(idx.tobytes())
+        if p.device.type == "cuda":  # one asynchronous copy from pinned memory: a pageable one waits for the GPU
+            x, y = (t.contiguous().pin_memory().to(p.device, non_blocking=True) for t in (x, y))
         ce = accumulate_gradients(p.net, x, y, p.cfg.micro_batch, self.z_loss, self.autocast, p.device)
         if i.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(p.model.parameters(), i.grad_clip)
