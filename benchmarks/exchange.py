@@ -10,6 +10,18 @@ its sync step. For each (P, M, format, K):
   to merge: computing the pseudo-gradient, encoding, the driver's round and outer step, the
   reply, decoding and the merge; ``ReplicaWorker.train``'s ``sync_s``), first outer step left
   out (start-up);
+- ``round_sync_s`` (``round`` in the table): what a run reports for the same syncs: the median
+  over the outer steps after the first of the step's wall time less the workers' mean compute
+  seconds (a training run's ``round_s - inner_compute_s``); it also holds the Ray calls that start
+  each outer step and, when the replicas compute unevenly, the wait for the slower one;
+- ``--model PRESET [--layers N] [--H 10]``: a real training run of that preset (``90m`` with 14
+  layers: 99M parameters) instead of the model that costs no compute, one 32-token sequence per
+  replica and inner step, so a row is exactly what a run pays per sync (``round``) beside the
+  exchange's own share (``sync_s``);
+- ``--compute-s S``: each inner step also computes: as many matrix products on the worker's
+  threads as take S seconds when the worker starts (a fixed amount of work, slower when the cores
+  are shared, as a training step's), so the replicas' cores are busy between syncs as a training
+  run's are (with ``--step-s`` they sleep);
 - ``allreduce_s``: the median seconds of a gloo all-reduce (sum) of the same fp32 ``[P]``
   tensor among M processes, measured in the same run; ``ratio`` = ``sync_s / allreduce_s``;
 - ``memcpy_s``: one copy of ``[P]`` fp32 in this process;
@@ -78,13 +90,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _products(n: int) -> None:
+    a = torch.full((256, 256), 1 / 256)
+    for _ in range(n):
+        a = torch.mm(a, a)
+
+
+def _calibrate(seconds: float) -> int:
+    """How many of :func:`_products`' 256 x 256 matrix products take ``seconds`` in this process."""
+    n, t0 = 50, time.perf_counter()
+    _products(n)
+    per = (time.perf_counter() - t0) / n
+    return max(1, round(seconds / per))
+
+
 class BigModel(torch.nn.Module):
     """``w``: ``[P]`` fp32 that every forward scales by 0.9999 outside autograd (so it gets no
     gradient and no AdamW state, yet changes); logits: a ``[vocab]`` bias for every position."""
 
-    def __init__(self, params: int, vocab_size: int, step_s: float = 0.0):
+    def __init__(self, params: int, vocab_size: int, step_s: float = 0.0, compute_s: float = 0.0):
         super().__init__()
         self.step_s = step_s  # seconds of "compute" per forward (slept: the cores stay free)
+        # real compute per forward: a fixed number of matrix products on the worker's threads, as
+        # many as take compute_s seconds here and now (a fixed amount of work, like a training step:
+        # slower when the cores are shared)
+        self.products = _calibrate(compute_s) if compute_s else 0
         self.w = torch.nn.Parameter(torch.empty(params).normal_(0.0, 0.02))  # in place: no temporary
         self.bias = torch.nn.Parameter(torch.zeros(vocab_size))
 
@@ -93,6 +123,8 @@ class BigModel(torch.nn.Module):
             self.w.mul_(0.9999)
         if self.step_s:
             time.sleep(self.step_s)
+        if self.products:  # the cores busy as a training replica's are
+            _products(self.products)
         b, t = input_ids.shape
         return self.bias.view(1, 1, -1).expand(b, t, -1).contiguous()
 
@@ -100,11 +132,11 @@ class BigModel(torch.nn.Module):
 class BigModelFn:
     """A picklable ``model_fn`` building :class:`BigModel` with ``params`` values."""
 
-    def __init__(self, params: int, step_s: float = 0.0):
-        self.params, self.step_s = params, step_s
+    def __init__(self, params: int, step_s: float = 0.0, compute_s: float = 0.0):
+        self.params, self.step_s, self.compute_s = params, step_s, compute_s
 
     def __call__(self, shape: dict, vocab_size: int) -> torch.nn.Module:
-        return BigModel(self.params, vocab_size, self.step_s)
+        return BigModel(self.params, vocab_size, self.step_s, self.compute_s)
 
 
 # -- /proc ------------------------------------------------------------------------------------
@@ -166,14 +198,14 @@ class Sampler:
 
 # -- the run ------------------------------------------------------------------------------------
 def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str, shards: int = 1,
-            backup: bool = True, cpus: float = 1):
+            backup: bool = True, cpus: float = 1, model: dict | None = None, H: int = 2):
     from ray_diloco.config import load_config
 
-    H = 2
+    tiny = {"preset": "tiny", "n_layers": 1, "n_heads": 1, "d_model": 8, "d_ff": 8, "context": 16}
     return load_config({
-        "model": {"preset": "tiny", "n_layers": 1, "n_heads": 1, "d_model": 8, "d_ff": 8, "context": 16},
-        "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 16},
-        "inner": {"global_batch": 4, "warmup_steps": 1},
+        "model": model or tiny,  # a real model (--model): one sequence of 32 tokens per replica and step
+        "data": {"path": str(ROOT / "ray_diloco" / "data" / "tinyshakespeare.txt"), "seq_len": 32 if model else 16},
+        "inner": {"global_batch": replicas if model else 4, "warmup_steps": 1},
         "diloco": {"replicas": replicas, "H": H, "cpus_per_worker": cpus,
                    "outer_cpus": cpus if shards == 1 else 0, "sync_timeout_s": 1800.0,
                    "outer_shards": shards, "outer_shard_backup": backup},
@@ -185,7 +217,8 @@ def _config(params: int, replicas: int, fmt: str, outer_steps: int, out_dir: str
 
 
 def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus, out_dir: str,
-                 shards: int = 1, backup: bool = True, step_s: float = 0.0, on_step=None, cpus: float = 1) -> dict:
+                 shards: int = 1, backup: bool = True, step_s: float = 0.0, on_step=None, cpus: float = 1,
+                 compute_s: float = 0.0, model: dict | None = None, H: int = 2) -> dict:
     """One run of ``outer_steps`` outer steps; the sync figures and peak memories. ``on_step(k)``,
     when given, is called before outer step k (1-based) and with ``outer_steps + 1`` after the last."""
     import ray
@@ -194,22 +227,26 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     from ray_diloco.runtime.launcher import _new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup, cpus)
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, BigModelFn(params, step_s))
+    cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup, cpus, model, H)
+    t = Trainer(cfg, _new_run_dir(cfg), corpus, None if model else BigModelFn(params, step_s, compute_s))
     t.start()
     try:
         workers = all_workers(t.replicas)
         outer_pids = ray.get(t.driver.outer_pids.remote())  # the driver, then its shard actors
         worker_pids = ray.get([w.pid.remote() for w in workers])
         sampler = Sampler([os.getpid(), *outer_pids, *worker_pids])
-        syncs, moved = [], []
+        syncs, moved, rounds = [], [], []
         for k in range(1, outer_steps + 1):
             start, end = (k - 1) * cfg.diloco.H, k * cfg.diloco.H
             if on_step is not None:
                 on_step(k)
+            t0 = time.perf_counter()
             metrics = ray.get([w.train.remote(start, end) for w in workers])
+            wall = time.perf_counter() - t0
             if k > 1:
                 syncs += [m["sync_s"] for m in metrics]
+                # a run's own figure: the outer step's wall time less the workers' mean compute
+                rounds.append(wall - statistics.mean(m["compute_s"] for m in metrics))
                 moved += [m["link"]["bytes_up"] + m["link"]["bytes_down"] for m in metrics]
         if on_step is not None:
             on_step(outer_steps + 1)
@@ -220,7 +257,7 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     finally:
         t.shutdown()
     sync_s = statistics.median(syncs)
-    return {"sync_s": sync_s, "sync_s_all": syncs, "bytes_per_sync": int(statistics.median(moved)),
+    return {"sync_s": sync_s, "sync_s_all": syncs, "round_sync_s": statistics.median(rounds), "bytes_per_sync": int(statistics.median(moved)),
             "outer_peak_rss": outer_hwm, "copy_bytes": copies, "worker_peak_rss": worker_hwm, "run_peak_total": peak_total,
             "outer_private": sum(sampler.private[p] for p in outer_pids),
             "outer_shmem": sum(sampler.shmem[p] for p in outer_pids),
@@ -286,6 +323,14 @@ def main() -> None:
     ap.add_argument("--outer-steps", type=int, default=4)
     ap.add_argument("--step-s", type=float, default=0.0,
                     help="seconds each inner step sleeps (compute the exchange's background work can hide behind)")
+    ap.add_argument("--compute-s", type=float, default=0.0,
+                    help="seconds each inner step computes (matrix products on the worker's threads: its cores busy "
+                         "as a training replica's)")
+    ap.add_argument("--model", default=None,
+                    help="train this preset instead of the model that costs no compute (a real run: its parameters "
+                         "are P; one 32-token sequence per replica and inner step)")
+    ap.add_argument("--layers", type=int, default=None, help="--model's model.n_layers (e.g. 90m with 14: 99M)")
+    ap.add_argument("--H", type=int, default=10, help="--model's diloco.H (the model that costs no compute: 2)")
     ap.add_argument("--backup", choices=("on", "off"), nargs="+", default=["on"],
                     help="diloco.outer_shard_backup (K > 1): the shards' copies of each other's state")
     ap.add_argument("--skip", nargs="*", default=[], help="P:M pairs to leave out (memory), e.g. 1e8:4")
@@ -330,8 +375,16 @@ def main() -> None:
     out_dir = tempfile.mkdtemp(prefix="exchange-bench-")
     base = {(m, k): measure_sync(1000, m, "none", 2, corpus, out_dir, k, cpus=cpus)["run_peak_total"]
             for m in args.replicas for k in args.shards}
-    print(f"{'P':>6} {'M':>2} {'format':>9} {'K':>2} {'sync_s':>8} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
+    print(f"{'P':>6} {'M':>2} {'format':>9} {'K':>2} {'sync_s':>8} {'round':>7} {'allreduce_s':>11} {'ratio':>6} {'memcpy_s':>8} "
           f"{'GB/s':>6} {'outer_U':>7} {'(priv)':>6} {'worker_U':>8} {'(priv)':>6} {'extra_U':>7} {'copy_U':>6}", flush=True)
+    model = None
+    if args.model:  # a real model: its parameters are P
+        from ray_diloco.models.transformer import build_model, count_parameters
+
+        model = {"preset": args.model, **({"n_layers": args.layers} if args.layers else {})}
+        mcfg = _config(1000, 2, "none", 2, "/tmp", model=model)
+        with torch.device("meta"):
+            args.params = [count_parameters(build_model(mcfg, corpus.vocab_size))]
     for p in (int(x) for x in args.params):
         U = 4 * p
         memcpy_s = measure_memcpy(p)
@@ -342,9 +395,11 @@ def main() -> None:
             for fmt, k, b in ((f, k, b) for f in args.formats for k in args.shards for b in args.backup):
                 if k == 1 and b == "off" and "on" in args.backup:
                     continue  # K = 1 keeps no copies: the same run
-                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s, cpus=cpus)
+                r = measure_sync(p, m, fmt, args.outer_steps, corpus, out_dir, k, b == "on", args.step_s, cpus=cpus,
+                                 compute_s=args.compute_s, model=model, H=args.H if model else 2)
                 row = {"params": p, "replicas": m, "nodes": args.nodes, "cpus_per_process": cpus, "store": args.store, "format": fmt, "outer_shards": k, "backup": b == "on" and k > 1,
-                       "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"],
+                       "copy_u": r["copy_bytes"] / U, "sync_s": r["sync_s"], "round_sync_s": r["round_sync_s"],
+                       "compute_s": args.compute_s, "model": args.model, "H": args.H if model else 2,
                        "allreduce_s": allreduce_s, "ratio": r["sync_s"] / allreduce_s, "memcpy_s": memcpy_s,
                        "sync_gb_s": r["bytes_per_sync"] / r["sync_s"] / 1e9,
                        "bytes_per_sync": r["bytes_per_sync"], "sync_s_all": r["sync_s_all"],
@@ -356,7 +411,7 @@ def main() -> None:
                        "run_extra_u": (r["run_peak_total"] - base[(m, k)]) / U,
                        "load_avg_1m": os.getloadavg()[0]}
                 rows.append(row)
-                print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {k:>2} {row['sync_s']:>8.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
+                print(f"{p / 1e6:>5g}M {m:>2} {fmt:>9} {k:>2} {row['sync_s']:>8.3f} {row['round_sync_s']:>7.3f} {allreduce_s:>11.3f} {row['ratio']:>6.1f} "
                       f"{memcpy_s:>8.3f} {row['sync_gb_s']:>6.2f} {row['outer_peak_rss_u']:>7.1f} "
                       f"{row['outer_private_u']:>6.1f} {row['worker_peak_rss_u']:>8.1f} {row['worker_private_u']:>6.1f} "
                       f"{row['run_extra_u']:>7.1f} {row['copy_u']:>6.1f}   (load {row['load_avg_1m']:.1f})",

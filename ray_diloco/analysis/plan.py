@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ray_diloco.components.threads import outer_threads, worker_threads
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import block_index, fragment_plan, param_specs
 from ray_diloco.core.quantize import message_nbytes
@@ -65,15 +66,16 @@ CODEC_S_PER_VALUE = {
     "int8": {"encode": 1.7e-9, "decode": 0.42e-9},
     "fp8_e4m3": {"encode": 6.6e-9, "decode": 0.40e-9},
 }
-#: Threads the outer side's maths uses (``runtime.outer_shards``: up to 4 of its node's cores).
-OUTER_THREADS = 4
 
 
-def codec_crossover(numel: int, fmt: str, replicas: int, outer_threads: int = OUTER_THREADS) -> dict[str, Any] | None:
+def codec_crossover(
+    numel: int, fmt: str, replicas: int, outer_threads: int = 1, replica_threads: int = 1
+) -> dict[str, Any] | None:
     """Whether a scaled format's exchange beats fp32's end to end, for one sync of ``numel``
     values with ``replicas`` replicas: the codec's CPU seconds on the critical path (a replica
-    encodes with error feedback and decodes the reply on one core; the outer side checks and
-    decodes ``replicas`` messages and encodes the reply on ``outer_threads``) against the link
+    encodes with error feedback and decodes the reply on ``replica_threads``; the outer side checks
+    and decodes ``replicas`` messages and encodes the reply on ``outer_threads``: the runs' thread
+    plans, ``components.threads``) against the link
     seconds the smaller messages save; ``crossover_gbps``: the link bandwidth (Gbit/s, per
     replica, each way) below which the format is faster (the same for every model size: both
     sides scale with ``numel``). A model of the codec only: fp32's own copies into and out of the
@@ -83,7 +85,7 @@ def codec_crossover(numel: int, fmt: str, replicas: int, outer_threads: int = OU
     if costs is None:
         return None
     e, d = costs["encode"], costs["decode"]
-    replica_s = numel * (e + d)
+    replica_s = numel * (e + d) / max(1, replica_threads)
     outer_s = numel * (2 * replicas * d + e) / max(1, outer_threads)
     saved = 2 * (message_nbytes(numel, "none") - message_nbytes(numel, fmt))  # up + down
     return {
@@ -158,7 +160,9 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
         "dp_bf16_bytes_per_replica": 2 * dp_equivalent_bytes(n, T, M, 2),
         "dp_formula": DP_FORMULA,
         "fewer_bytes_than_dp_fp32": dp32 / (total_up + total_down) if total_up and dp32 else None,
-        "codec": codec_crossover(max(f.numel for f in frags), fmt, M),
+        "codec": codec_crossover(
+            max(f.numel for f in frags), fmt, M, outer_threads(cfg).intra_op, worker_threads(cfg).intra_op
+        ),
     }
 
 

@@ -150,6 +150,32 @@ def driver_placement(cfg: Config) -> dict[str, Any]:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False), **process}
 
 
+def wait_outer_placed(cfg: Config, driver: Any) -> None:
+    """Wait until the outer side's processes (the driver, its shards) run: they reserve
+    ``diloco.outer_cpus`` on a given node each (the driver the job's, pinned), which a replica's
+    placement group started first could take, leaving them pending for ever. Returns at once when
+    they reserve none (``diloco.outer_cpus`` 0).
+
+    Raises:
+        ClusterError: they found no room in ``diloco.placement_timeout_s``."""
+    import ray
+
+    d = cfg.diloco
+    if not d.outer_cpus:
+        return
+    where = "the driver on the job's node" if not d.driver_resource else f"the driver on a {d.driver_resource!r} node"
+    if d.outer_shards > 1:
+        where += f", {d.outer_shards} shards on the replicas' nodes"
+    try:
+        ray.get(driver.outer_pids.remote(), timeout=d.placement_timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnschedulableError):  # no room now / ever
+        ray.kill(driver)
+        raise ClusterError(
+            f"diloco.outer_cpus = {d.outer_cpus:g}: the outer side ({where}) found no node with that many "
+            f"free CPUs in {d.placement_timeout_s:g} s: lower it, or give those nodes CPUs"
+        ) from None
+
+
 def _check_driver_resource(cfg: Config, res: dict[str, float]) -> None:
     """``diloco.driver_resource`` must be offered by some node."""
     d = cfg.diloco

@@ -721,7 +721,8 @@ class OuterDriver:
         return os.getpid()
 
     async def outer_pids(self) -> list[int]:
-        """Process ids of the outer-optimiser side: this driver, then its shard actors (K > 1)."""
+        """Process ids of the outer-optimiser side: this driver, then its shard actors (K > 1),
+        once each runs (the trainer waits for it when they reserve CPUs)."""
         return [os.getpid(), *(await asyncio.gather(*(a.ping.remote() for a in self.shards.actors)))]
 
     def add_member(self, replica: int, join_step: int, **info: Any) -> None:

@@ -212,11 +212,12 @@ class DiLoCoSync(SyncStrategy):
         return problems
 
     def launch(self, members: list[tuple[int, int, int]] | None) -> None:
-        from ray_diloco.runtime.cluster import driver_placement, initial_members
+        from ray_diloco.runtime.cluster import driver_placement, initial_members, wait_outer_placed
         from ray_diloco.runtime.driver import OuterDriverActor
 
         joins = {m: j for m, _, j in initial_members(self.cfg, members)}
         self.driver = OuterDriverActor.options(**driver_placement(self.cfg)).remote(None, self.cfg.to_dict(), joins)
+        wait_outer_placed(self.cfg, self.driver)  # before the replicas' placement groups can take its CPUs
 
     def attach(self, replicas: list[Replica], resume_state: dict[str, Any] | None) -> None:
         """The global parameters start as rank 0's initialisation (identical in every worker),

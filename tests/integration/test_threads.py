@@ -64,3 +64,51 @@ def test_each_process_takes_its_threads_from_its_ray_cpu_share(tmp_path):
     # the node's 16 CPUs: every process's threads fit in them (5 + 5 + 2 + 2 + 1)
     assert sum(r["torch_threads"] for r in reports) <= 16
     assert sum(max(r["torch_threads"], r["numba_threads"]) for r in reports) <= 16
+
+
+NO_ROOM = textwrap.dedent("""
+    import atexit, sys, time
+    import ray
+    from ray.cluster_utils import Cluster
+    sys.path.insert(0, sys.argv[1])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=4)
+    atexit.register(lambda: (ray.shutdown(), cluster.shutdown()))
+    ray.init(address=cluster.address, logging_level="ERROR")
+    from ray_diloco.components.data import load_corpus
+    from ray_diloco.config import load_config
+    from ray_diloco.errors import ClusterError
+    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.trainer import Trainer
+
+    cfg = load_config(None, [f"data.path={sys.argv[2]}", "diloco.cpus_per_worker=1", "diloco.outer_cpus=2",
+                             "diloco.placement_timeout_s=3", "run.steps=4", "tracking.wandb=false",
+                             "tracking.progress=false", f"run.output_dir={sys.argv[3]}"])
+    t = Trainer(cfg, _new_run_dir(cfg), load_corpus(cfg.data))
+    t0 = time.monotonic()
+    try:
+        t.start()
+        print("STARTED")
+    except ClusterError as e:
+        print(f"ERROR {time.monotonic() - t0:.1f} {e}")
+    finally:
+        t.shutdown()
+""")
+
+
+def test_an_outer_side_that_finds_no_room_is_one_line_not_a_hang(tmp_path):
+    """The driver reserves ``diloco.outer_cpus`` on the job's node (pinned there): where that node has
+    fewer, the cluster's total notwithstanding, the run stops at start with one line naming the
+    field, after ``diloco.placement_timeout_s`` (it waited for ever: on a 3-node cluster a replica's
+    placement group took the head's CPU first)."""
+    from helpers import ROOT, SHAKESPEARE
+
+    text = tmp_path / "text.txt"
+    text.write_text(SHAKESPEARE.read_text()[:20000])
+    out = subprocess.run([sys.executable, "-c", NO_ROOM, str(ROOT), str(text), str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith(("ERROR ", "STARTED"))]
+    assert line and line[0].startswith("ERROR "), out.stdout[-2000:] + out.stderr[-3000:]
+    _, seconds, message = line[0].split(" ", 2)
+    assert float(seconds) < 60
+    assert message.startswith("diloco.outer_cpus = 2: the outer side (the driver on the job's node) found no node")
