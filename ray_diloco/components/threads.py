@@ -17,9 +17,9 @@ threads sleep starts its actor with it (:meth:`ThreadPlan.runtime_env`). Other a
 Why idle pools sleep (``OMP_WAIT_POLICY=PASSIVE``) in the outer side and in GPU processes:
 GNU OpenMP's threads spin for a while after every parallel region before they sleep. The codec
 and the outer step run hundreds of short regions per outer step (one per chunk), so a spinning
-pool holds its cores almost all the time. On a 16-core node, 2 replica workers and the driver
-each with a 16-thread pool (numba's default: every core) made one fp4 sync of 100M values take
-6.3 s instead of 0.8 s (``benchmarks/sync_profile.py --in-run``, docs/benchmarks.md). A process
+pool holds its cores almost all the time. On a 16-core node, 2 replica workers with a
+16-thread pool each (numba's default: every core, though Ray gave each one CPU) beside the
+driver's made one fp4 sync of 100M values take 6.3 s instead of 0.8 s (``benchmarks/sync_profile.py --in-run``, docs/benchmarks.md). A process
 training on the CPU keeps the spinning default: its training loop's many small operations ran
 30% slower when each one woke its pool (the ``tiny`` model on 2 threads, this machine).
 """

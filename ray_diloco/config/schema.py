@@ -41,6 +41,7 @@ CLOSING_ROUNDS: tuple[str, ...] = typing.get_args(ClosingRound)
 JOIN_INNER_STATES: tuple[str, ...] = typing.get_args(JoinInnerState)
 REPLICA_NODES: tuple[str, ...] = typing.get_args(ReplicaNodes)
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
+COMPILE_MODES: tuple[str, ...] = typing.get_args(CompileMode)
 QUANTIZATION_FORMATS: tuple[str, ...] = typing.get_args(QuantFormat)
 PRESET_NAMES: tuple[str, ...] = typing.get_args(PresetName)
 

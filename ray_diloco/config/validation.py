@@ -17,6 +17,7 @@ from ray_diloco.config.presets import PRESETS, resolve_model_shape
 from ray_diloco.config.schema import (
     ALGORITHMS,
     CLOSING_ROUNDS,
+    COMPILE_MODES,
     FAMILIES,
     JOIN_INNER_STATES,
     MAX_STEPS,
@@ -96,6 +97,8 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
     _need(e, d.cpus_per_worker is None or d.cpus_per_worker > 0, "diloco.cpus_per_worker", d.cpus_per_worker,
           "must be > 0 (or none: share the cluster's CPUs evenly)")  # fmt: skip
     _need(e, d.gpus_per_worker >= 0, "diloco.gpus_per_worker", d.gpus_per_worker, "must be >= 0")
+    _need(e, math.isfinite(d.outer_cpus) and d.outer_cpus >= 0, "diloco.outer_cpus", d.outer_cpus,
+          "must be >= 0 CPUs (0: none reserved, one thread)")  # fmt: skip
     _need(e, d.pg_timeout_s > 0, "diloco.pg_timeout_s", d.pg_timeout_s, "must be > 0 seconds")
     _need(e, d.placement_timeout_s > 0, "diloco.placement_timeout_s", d.placement_timeout_s, "must be > 0 seconds")
     _need(
@@ -332,6 +335,7 @@ def _check_run(cfg: Config, e: list[str]) -> None:
     )
     _need(e, r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be an integer >= 1")
     _one_of(e, "run.precision", r.precision, PRECISIONS)
+    _one_of(e, "run.compile", r.compile, COMPILE_MODES)
     if r.export_precision is not None:
         _one_of(e, "run.export_precision", r.export_precision, PRECISIONS)
 
