@@ -282,7 +282,8 @@ def main() -> int:
         "diloco.replicas=2", f"diloco.H={H}", f"diloco.gpus_per_worker={0.5 if gpu else 0}",
         *([f"diloco.outer_cpus={max(1, (os.cpu_count() or 1) // 4)}"] if gpu else []),  # the outer step's threads
         f"run.precision={'bf16' if gpu else 'fp32'}", f"streaming.fragments={3 if not a.smoke else 2}",
-        f"streaming.overlap_steps={1 if a.smoke or a.quick else 2}",  # < H / F (5 fragments: 3 + embeddings + head) "run.checkpoint_every=2", "run.eval_every=0",
+        f"streaming.overlap_steps={1 if a.smoke or a.quick else 2}",  # < H / F (5 fragments: 3 + embeddings + head)
+        f"run.checkpoint_every={2 if a.smoke or a.quick else 3}", "run.eval_every=0",
         f"run.eval_tokens={65536 if not a.smoke else 512}", "tracking.wandb=false", "tracking.progress=false"]
     cfg = load_config(None, common)
     corpus = load_corpus(cfg.data)

@@ -7,8 +7,9 @@ several actors each one's thread pools would otherwise be sized for the whole ma
 covers torch's intra-op and inter-op threads, numba's threads (the fused codec), and the
 OpenMP / MKL / OpenBLAS variables of the process and of the processes it starts.
 
-Inside the process :meth:`ThreadPlan.apply` sets torch's threads, numba's (its pool is sized from
-``NUMBA_NUM_THREADS`` when the codec first loads it) and the variables its children inherit.
+Inside the process :meth:`ThreadPlan.apply` sets torch's threads and the variables its children
+inherit; numba's pool is sized from ``NUMBA_NUM_THREADS`` when its threads launch, and each codec
+call uses as many of them as torch has (``core.codec``).
 Only the wait policy must be in place before OpenMP loads (it reads it once): a plan whose idle
 threads sleep starts its actor with it (:meth:`ThreadPlan.runtime_env`). Other actors get no
 ``runtime_env``, so Ray's prestarted worker processes can host them (a process started for a
@@ -71,21 +72,34 @@ class ThreadPlan:
         return {"env_vars": self.env()} if self.passive else None
 
     def apply(self) -> None:
-        """Set this process's torch (and numba, when loaded) threads and its environment for the
-        processes it starts. torch's inter-op threads can only be set before they start: if they
-        have started, they are left as they are."""
+        """Set this process's torch threads (numba's follow them at each codec call) and its
+        environment for the processes it starts. torch's inter-op threads can only be set before
+        they start: if they have started, they are left as they are.
+
+        numba sizes its pool from ``NUMBA_NUM_THREADS`` once, when its threads launch, and
+        re-reads the variable at every compile afterwards: a value different from the launched
+        pool's makes that compile fail ("Cannot set NUMBA_NUM_THREADS to a different value once
+        the threads have been launched"). So the plan's value is written (and numba's config
+        reloaded) only while numba's threads have not launched; after that the variable keeps
+        the pool's size.
+        """
         import torch
 
-        os.environ.update({k: v for k, v in self.env().items() if k in THREAD_VARIABLES})
+        env = {k: v for k, v in self.env().items() if k in THREAD_VARIABLES}
+        numba = sys.modules.get("numba")
+        config: Any = getattr(numba, "config", None)
+        launched = config is not None and _numba_launched()
+        if launched:
+            env["NUMBA_NUM_THREADS"] = str(config.NUMBA_NUM_THREADS)
+        os.environ.update(env)
+        if config is not None and not launched:
+            config.reload_config()
         torch.set_num_threads(self.intra_op)
         if torch.get_num_interop_threads() != self.inter_op:
             try:
                 torch.set_num_interop_threads(self.inter_op)
             except RuntimeError:  # inter-op work already ran in this process
                 pass
-        numba = sys.modules.get("numba")
-        if numba is not None and hasattr(numba, "set_num_threads"):
-            numba.set_num_threads(min(self.intra_op, numba.config.NUMBA_NUM_THREADS))
 
     def report(self) -> dict[str, Any]:
         """What this process actually uses: torch's threads, numba's pool size and the plan's
@@ -105,6 +119,12 @@ class ThreadPlan:
             else int(os.environ.get("NUMBA_NUM_THREADS", 0)),
             "env": {k: os.environ.get(k) for k in (*THREAD_VARIABLES, "OMP_WAIT_POLICY")},
         }
+
+
+def _numba_launched() -> bool:
+    """Whether numba's thread pool has started in this process (its size is fixed from then)."""
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return bool(getattr(parallel, "_is_initialized", False))
 
 
 def worker_threads(cfg: Any) -> ThreadPlan:

@@ -315,8 +315,14 @@ def _serial() -> Any:
 
 
 def _threads() -> None:
-    """numba's threads follow torch's (a Ray actor's CPU share), never more than numba started."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    """numba's threads follow torch's (a Ray actor's CPU share), never more than numba started.
+
+    The first call launches numba's pool; with the ``omp`` layer that launch resets OpenMP's
+    thread count, which is torch's: torch's count is put back if it changed."""
+    n = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _check(fmt: str) -> None:

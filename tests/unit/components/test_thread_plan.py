@@ -53,13 +53,53 @@ def test_apply_sets_torch_and_the_variables_children_inherit_not_the_wait_policy
         p = thread_plan("outer side", 1)
         p.apply()
         assert torch.get_num_threads() == 1
-        assert all(os.environ[k] == "1" for k in THREAD_VARIABLES)
+        assert all(os.environ[k] == "1" for k in THREAD_VARIABLES if k != "NUMBA_NUM_THREADS")  # numba's: below
         # set here it would reach Ray's processes started later (a CPU worker's pool must spin)
         assert "OMP_WAIT_POLICY" not in os.environ
         report = p.report()
         assert report["torch_threads"] == 1 and report["env"]["OMP_NUM_THREADS"] == "1" and report["cpus"] == 1.0
     finally:
         torch.set_num_threads(before)
+
+
+_NUMBA_SCRIPT = r"""
+import os, sys
+import numba, torch
+from ray_diloco.components.threads import thread_plan
+from ray_diloco.core import codec
+
+thread_plan("outer side", 1).apply()  # numba imported, its threads not launched: the plan sizes its pool
+assert os.environ["NUMBA_NUM_THREADS"] == "1" and numba.config.NUMBA_NUM_THREADS == 1, numba.config.NUMBA_NUM_THREADS
+codec._threads()  # launches numba's pool, which resets OpenMP's (torch's) thread count
+assert torch.get_num_threads() == 1, torch.get_num_threads()
+thread_plan("replica worker", 2).apply()  # after the launch: torch follows the plan, numba's variable keeps the pool's size
+assert torch.get_num_threads() == 2 and os.environ["NUMBA_NUM_THREADS"] == "1"
+codec._threads()
+assert torch.get_num_threads() == 2 and numba.get_num_threads() == 1
+
+@numba.njit(parallel=True, cache=False)
+def total(x):
+    s = 0.0
+    for i in numba.prange(x.shape[0]):
+        s += x[i]
+    return s
+
+print(total(torch.ones(10).numpy()))  # a compile after the launch re-reads NUMBA_NUM_THREADS: it must still match
+"""
+
+
+def test_apply_before_and_after_numbas_threads_launch_keeps_torch_and_numbas_pool_consistent(tmp_path):
+    """numba's first launch resets OpenMP's thread count (torch's); a NUMBA_NUM_THREADS changed
+    after the launch fails numba's next compile. Both broke a fresh clone's suite (empty numba
+    cache): a plan applied in the test process, then every codec kernel compiled after it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARIABLES, "OMP_WAIT_POLICY")}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", _NUMBA_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "10.0"
 
 
 def test_the_jobs_process_keeps_one_cpu_or_what_its_environment_says(monkeypatch):
