@@ -12,7 +12,7 @@ pseudo-gradient (standard normal):
 - ``decode_add_s``: decoding one message into an fp32 accumulator (``core.codec.decode_into``
   with ``accumulate``: what a receiver does with the downlink), ``decode_add_x`` its ratio;
 - ``torch_encode_s`` / ``torch_decode_add_s``: the torch codec this replaced on the host
-  (``core.quantize.encode_tensor_torch`` plus the error-feedback arithmetic; decode, then add),
+  (``core.formats.WireFormat.encode_torch`` plus the error-feedback arithmetic; decode, then add),
   kept for tensors on a GPU, with ``speedup`` = torch encode / fused encode;
 - ``values_per_s``: N / ``encode_s``.
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ray_diloco.core import codec
-from ray_diloco.core.quantize import decode_tensor_torch, encode_tensor_torch
+from ray_diloco.core.formats import FORMATS, wire_format
 
 
 def timed(fn, repeats: int, warmup: int = 1) -> float:
@@ -50,22 +50,23 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
 
 
 def torch_encode(x: np.ndarray, r: np.ndarray, fmt: str) -> tuple:
-    """The torch codec's encode with error feedback (as ``quantize_with_feedback`` ran before)."""
+    """The torch codec's encode with error feedback."""
     value = torch.from_numpy(x) + torch.from_numpy(r)
-    p, s = encode_tensor_torch(value, fmt)
-    return p, s, value - decode_tensor_torch(p, s, value.numel(), fmt)
+    f = wire_format(fmt)
+    p, s = f.encode_torch(value)
+    return p, s, value - f.decode_torch(p, s, value.numel())
 
 
 def torch_decode_add(payload: np.ndarray, scales: np.ndarray, fmt: str, acc: np.ndarray) -> None:
     """The torch codec's decode, then an add into the accumulator."""
-    vals = decode_tensor_torch(torch.from_numpy(payload), torch.from_numpy(scales), acc.size, fmt)
+    vals = wire_format(fmt).decode_torch(torch.from_numpy(payload), torch.from_numpy(scales), acc.size)
     torch.from_numpy(acc).add_(vals)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--values", type=float, default=1e8)
-    ap.add_argument("--formats", nargs="+", default=["fp4_e3m0", "int8", "fp8_e4m3"], choices=list(codec.MAX))
+    ap.add_argument("--formats", nargs="+", default=["fp4_e3m0", "int8", "fp8_e4m3"], choices=[f.name for f in FORMATS if f.scaled])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--torch", choices=["on", "off"], default="on", help="also time the torch codec (slow)")
     ap.add_argument("--json", default=None)

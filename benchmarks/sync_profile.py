@@ -161,7 +161,7 @@ def profile(params: int, replicas: int, repeats: int, outer_cpus: float = 1) -> 
 
 def _unpack(message):
     """A message's ``Packed`` view (what the outer side sums)."""
-    from ray_diloco.core.quantize import from_message
+    from ray_diloco.core.formats import parse as from_message
 
     return from_message(message)
 

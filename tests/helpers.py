@@ -364,17 +364,51 @@ def outer_step(opt, fragment: int, weights: list[float], *deltas, average_only: 
             "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas]}
 
 
+def encode(x, fmt: str):
+    """A host encoding (``core.formats.Packed``) of a float vector (any shape, flattened; fp32
+    maths) in ``fmt``: a scaled format on the host through the fused codec, which refuses
+    non-finite values as it encodes; the others checked first.
+
+    Raises:
+        ValueError: unknown format, or non-finite values in ``x``."""
+    import numpy as np
+
+    from ray_diloco.core.formats import Packed, check_finite, wire_format
+    from ray_diloco.core.quantize import encode_tensor
+
+    f = wire_format(fmt)
+    t = (x.detach().cpu().float().reshape(-1) if isinstance(x, torch.Tensor)
+         else torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1)))
+    if not f.scaled:
+        check_finite(t)
+    payload, scales = encode_tensor(t, f)
+    return Packed(f.name, t.numel(), payload.numpy(), scales.numpy())
+
+
+def quantize_with_feedback(x: torch.Tensor, fmt: str, residual: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+    """Error feedback: encode ``x + residual`` (fp32 ``[n]``; ``residual`` None: zero) and return
+    ``(message, new residual)`` (``core.quantize.encode_message`` into a new tensor on ``x``'s
+    device).
+
+    Raises:
+        ValueError: non-finite values."""
+    from ray_diloco.core.quantize import encode_message
+
+    new = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    return bytes(encode_message(x, fmt, residual, new)), new
+
+
 def encode_downlink(old_global: torch.Tensor, new_global: torch.Tensor, fmt: str,
                     residual: torch.Tensor | None = None) -> tuple[bytes, torch.Tensor, torch.Tensor | None]:
     """The driver's reply for one outer step of a fragment (fp32 ``[numel_p]`` before and after)
     in ``fmt``: ``(message, applied, new_residual)``. ``none``: the new values themselves;
     otherwise the update ``new - old`` (+ ``residual``) quantised, ``applied`` what every receiver
     decodes (``core.wire.apply_downlink``), ``new_residual`` what the encoding lost."""
-    from ray_diloco.core.quantize import encode, quantize_with_feedback, to_message
+    from ray_diloco.core.formats import to_message, wire_format
     from ray_diloco.core.wire import apply_downlink
 
-    if fmt == "none":
-        return to_message(encode(new_global, "none")), new_global, residual
+    if wire_format(fmt).raw:
+        return to_message(encode(new_global, fmt)), new_global, residual
     message, new_residual = quantize_with_feedback(new_global - old_global, fmt, residual)
     return message, apply_downlink(old_global, message), new_residual
 

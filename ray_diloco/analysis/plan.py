@@ -3,7 +3,7 @@
 Everything is computed from the config alone (the model is built on the ``meta`` device, so
 no memory is allocated even for the 10B preset): the fragment partition
 (``fragments.plan_fragments``), the sync schedule (``schedules.SyncSchedule``) and the wire
-sizes of the chosen quantisation (``quantize.message_nbytes``), next to the data-parallel
+sizes of the chosen quantisation (``core.formats.WireFormat.message_nbytes``), next to the data-parallel
 equivalent (``exchange.dp_equivalent_bytes``).
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from ray_diloco.components.threads import outer_threads, worker_threads
 from ray_diloco.config import Config
+from ray_diloco.core.formats import RAW, wire_format
 from ray_diloco.core.fragments import block_index, fragment_plan, param_specs
-from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.core.wire import DP_FORMULA, dp_equivalent_bytes
 from ray_diloco.errors import ConfigError
@@ -56,18 +56,6 @@ def _describe(names: tuple[str, ...]) -> str:
     return "; ".join(parts)
 
 
-#: Seconds per value and thread of the fused CPU codec (``core.codec``), measured with
-#: ``python benchmarks/codec.py`` (100M values, 2 threads, 2026-12-03, a quiet machine;
-#: docs/benchmarks.md): the encode with error feedback (residual in and out) and the decode added
-#: into an fp32 buffer (a receiver's decode; the outer side's check of a pseudo-gradient costs
-#: about the same).
-CODEC_S_PER_VALUE = {
-    "fp4_e3m0": {"encode": 1.8e-9, "decode": 0.36e-9},
-    "int8": {"encode": 1.7e-9, "decode": 0.42e-9},
-    "fp8_e4m3": {"encode": 6.6e-9, "decode": 0.40e-9},
-}
-
-
 def codec_crossover(
     numel: int, fmt: str, replicas: int, outer_threads: int = 1, replica_threads: int = 1
 ) -> dict[str, Any] | None:
@@ -80,14 +68,17 @@ def codec_crossover(
     replica, each way) below which the format is faster (the same for every model size: both
     sides scale with ``numel``). A model of the codec only: fp32's own copies into and out of the
     object store, which the measured exchange shows cost more than fp4's codec on one machine,
-    are left out, so the figure is conservative. None for an unscaled format."""
-    costs = CODEC_S_PER_VALUE.get(fmt)
-    if costs is None:
+    are left out, so the figure is conservative. None for an unscaled format. The codec's
+    seconds per value are each format's measured ``encode_s`` and ``decode_s``
+    (``core.formats.WireFormat``; the outer side's check of a pseudo-gradient costs about a
+    decode)."""
+    f = wire_format(fmt)
+    if not f.scaled:
         return None
-    e, d = costs["encode"], costs["decode"]
+    e, d = f.encode_s, f.decode_s
     replica_s = numel * (e + d) / max(1, replica_threads)
     outer_s = numel * (2 * replicas * d + e) / max(1, outer_threads)
-    saved = 2 * (message_nbytes(numel, "none") - message_nbytes(numel, fmt))  # up + down
+    saved = 2 * (RAW.message_nbytes(numel) - f.message_nbytes(numel))  # up + down
     return {
         "format": fmt,
         "replica_codec_s": replica_s,
@@ -124,7 +115,7 @@ def sync_plan(cfg: Config, from_step: int = 0, upcoming: int = 3) -> dict[str, A
     sends = sched.sends_between(0, T)
     rows: list[dict[str, Any]] = []
     for f in frags:
-        up = message_nbytes(f.numel, fmt)
+        up = wire_format(fmt).message_nbytes(f.numel)
         steps = [t for t, g in sends if g == f.index]
         rows.append(
             {

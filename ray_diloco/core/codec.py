@@ -1,7 +1,7 @@
 """The fused CPU codec of the scaled wire formats (``fp4_e3m0``, ``int8``, ``fp8_e4m3``): one pass
 per direction over the data, multi-threaded over blocks (numba, ``@njit(parallel=True)``).
 
-The bytes are those of ``core.quantize``'s torch codec, bit for bit (that codec stays for tensors
+The bytes are those of the torch codec (``core.formats.WireFormat.encode_torch``), bit for bit (it stays for tensors
 on a GPU and as the tests' oracle): per block of ``BLOCK`` values, scale = ``absmax / max``
 (fp32 division, at least 2^-149; 1 for an all-zero block), ``y = x / scale`` (fp32 division), then
 
@@ -40,16 +40,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ray_diloco.core.quantize import BLOCK, MIN_SCALE  # values per scale block (the kernels index by 256)
-
-#: Largest finite value of each scaled format (the scale maps a block's absmax onto it).
-MAX = {"fp4_e3m0": 16.0, "int8": 127.0, "fp8_e4m3": 448.0}
-_KIND = {"fp4_e3m0": 0, "int8": 1, "fp8_e4m3": 2}
+from ray_diloco.core.formats import BLOCK, MIN_SCALE, WireFormat, wire_format
 
 #: 2^(9 - k) for k = 0..15 (the fp8 mantissa's scale in binade k - 6), then 2^j for j = -5..10.
 _POW2 = np.array([2.0 ** (9 - k) for k in range(16)] + [2.0**j for j in range(-5, 11)], dtype=np.float32)
-#: fp32 value of each fp4 nibble (code 0..7: 0, 2^-2 .. 2^4; bit 3 the sign, -0.0 for code 0).
-_FP4_VALUES = np.array([0.0, 0.25, 0.5, 1, 2, 4, 8, 16, -0.0, -0.25, -0.5, -1, -2, -4, -8, -16], dtype=np.float32)
 #: The fp4 code's midpoints ``m`` (0.125 .. 12), each lowered to the real number halfway to the fp32
 #: value below it (exact in fp64): ``fl(a / s) >= m`` exactly when ``a >= s * t`` (fp32 division is
 #: correctly rounded and each ``m``'s mantissa is even, so a tie rounds up to ``m``).
@@ -60,15 +54,6 @@ _FP4_TIES = np.array(
     ],
     dtype=np.float64,
 )
-#: fp32 value of each float8 e4m3fn byte (NaN for 0x7F and 0xFF, which the encoder never makes).
-_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-#: fp32 value of each int8 byte (its two's-complement integer).
-_INT8_VALUES = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
-
-
-def payload_nbytes(numel: int, fmt: str) -> int:
-    """Bytes of the packed values of ``numel`` values in scaled format ``fmt``."""
-    return (numel + 1) // 2 if fmt == "fp4_e3m0" else numel
 
 
 @njit(inline="always", cache=True)
@@ -292,10 +277,6 @@ def _norm(payload, scales, kind, table, n):  # pragma: no cover - compiled
     return bad, sq
 
 
-def _table(fmt: str) -> np.ndarray:
-    return {"fp4_e3m0": _FP4_VALUES, "int8": _INT8_VALUES, "fp8_e4m3": _FP8_VALUES}[fmt]
-
-
 _EMPTY = np.zeros(0, dtype=np.float32)
 
 
@@ -325,9 +306,15 @@ def _threads() -> None:
         torch.set_num_threads(n)
 
 
-def _check(fmt: str) -> None:
-    if fmt not in _KIND:
-        raise ValueError(f"quantization format {fmt!r}: the fused codec takes {', '.join(_KIND)}")
+def _check(fmt: str | WireFormat) -> WireFormat:
+    """The scaled format ``fmt`` (a name or a format).
+
+    Raises:
+        ValueError: an unknown or unscaled format."""
+    f = wire_format(fmt)
+    if not f.scaled:
+        raise ValueError(f"quantization format {f.name!r}: the fused codec takes only a scaled format")
+    return f
 
 
 def _nonfinite(x: np.ndarray, r: np.ndarray | None) -> ValueError:
@@ -337,21 +324,21 @@ def _nonfinite(x: np.ndarray, r: np.ndarray | None) -> ValueError:
 
 def _encode(
     x: np.ndarray,
-    fmt: str,
+    fmt: str | WireFormat,
     residual: np.ndarray | None,
     new_residual: np.ndarray | None,
     params: np.ndarray | None,
     payload: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
-    _check(fmt)
+    f = _check(fmt)
     n = x.size
     if payload is None:
-        payload = np.empty(payload_nbytes(n, fmt), dtype=np.uint8)
-    elif payload.dtype != np.uint8 or payload.size != payload_nbytes(n, fmt) or not payload.flags.c_contiguous:
+        payload = np.empty(f.payload_nbytes(n), dtype=np.uint8)
+    elif payload.dtype != np.uint8 or payload.size != f.payload_nbytes(n) or not payload.flags.c_contiguous:
         raise ValueError(
-            f"payload buffer: {payload.size} {payload.dtype} values, {fmt} needs {payload_nbytes(n, fmt)} uint8"
+            f"payload buffer: {payload.size} {payload.dtype} values, {f.name} needs {f.payload_nbytes(n)} uint8"
         )
-    scales = np.empty(-(-n // BLOCK), dtype=np.float32)
+    scales = np.empty(f.n_scales(n), dtype=np.float32)
     x = x.reshape(-1)
     r = _EMPTY if residual is None else residual.reshape(-1)
     _threads()
@@ -361,18 +348,18 @@ def _encode(
         new_residual is not None and residual is not None and np.shares_memory(new_residual, residual)
     )
     with _serial():
-        bad = bool(in_place and _scale_pass(x, r, MAX[fmt], scales))
+        bad = bool(in_place and _scale_pass(x, r, f.max_value, scales))
         if not bad:
             bad, sq = _code_pass(
                 x,
                 r,
                 _EMPTY if new_residual is None else new_residual.reshape(-1),
                 _EMPTY if params is None else params.reshape(-1),
-                _KIND[fmt],
-                MAX[fmt],
+                f.kernel,
+                f.max_value,
                 _POW2,
                 _FP4_TIES,
-                _table(fmt),
+                f.table,
                 payload,
                 scales,
                 in_place,
@@ -384,7 +371,7 @@ def _encode(
 
 def encode(
     x: np.ndarray,
-    fmt: str,
+    fmt: str | WireFormat,
     residual: np.ndarray | None = None,
     new_residual: np.ndarray | None = None,
     payload: np.ndarray | None = None,
@@ -407,7 +394,7 @@ def apply_update(
     update: np.ndarray,
     residual: np.ndarray | None,
     params: np.ndarray,
-    fmt: str,
+    fmt: str | WireFormat,
     new_residual: np.ndarray | None = None,
     payload: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, float]:
@@ -424,7 +411,12 @@ def apply_update(
 
 
 def decode_into(
-    payload: np.ndarray, scales: np.ndarray, fmt: str, out: np.ndarray, start: int = 0, accumulate: bool = False
+    payload: np.ndarray,
+    scales: np.ndarray,
+    fmt: str | WireFormat,
+    out: np.ndarray,
+    start: int = 0,
+    accumulate: bool = False,
 ) -> np.ndarray:
     """Decoded values ``[start, start + out.size)`` of an encoding (``payload`` uint8, ``scales``
     fp32 per block) written into fp32 ``out`` (or added to it: ``accumulate``); returns ``out``.
@@ -432,29 +424,29 @@ def decode_into(
 
     Raises:
         ValueError: ``start`` not a multiple of ``BLOCK``, or an unknown format."""
-    _check(fmt)
+    f = _check(fmt)
     if start % BLOCK:
         raise ValueError(f"decode start {start} is not a multiple of {BLOCK}")
     if out.size:
         _threads()
         with _serial():
-            _decode(payload, scales, _KIND[fmt], _table(fmt), start, out.reshape(-1), accumulate)
+            _decode(payload, scales, f.kernel, f.table, start, out.reshape(-1), accumulate)
     return out
 
 
-def norm(payload: np.ndarray, scales: np.ndarray, fmt: str, numel: int) -> float | None:
+def norm(payload: np.ndarray, scales: np.ndarray, fmt: str | WireFormat, numel: int) -> float | None:
     """The L2 norm of an encoding's ``numel`` decoded values (summed in fp64, one pass, nothing
     decoded into memory), or None when one is not finite (a malformed or hostile message: the
     encoder never makes one).
 
     Raises:
         ValueError: an unknown format, or fewer bytes or scales than ``numel`` values need."""
-    _check(fmt)
-    if payload.size < payload_nbytes(numel, fmt) or scales.size < -(-numel // BLOCK):
+    f = _check(fmt)
+    if payload.size < f.payload_nbytes(numel) or scales.size < f.n_scales(numel):
         raise ValueError(
-            f"an encoding of {numel} {fmt} values needs more than {payload.size} bytes and {scales.size} scales"
+            f"an encoding of {numel} {f.name} values needs more than {payload.size} bytes and {scales.size} scales"
         )
     _threads()
     with _serial():
-        bad, sq = _norm(payload, scales[: -(-numel // BLOCK)], _KIND[fmt], _table(fmt), numel)
+        bad, sq = _norm(payload, scales[: f.n_scales(numel)], f.kernel, f.table, numel)
     return None if bad or not np.isfinite(sq) else float(np.sqrt(sq))

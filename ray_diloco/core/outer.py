@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from ray_diloco.config import OuterConfig
-from ray_diloco.core.quantize import Packed, fused_codec
+from ray_diloco.core.formats import Packed
+from ray_diloco.core.quantize import fused_codec
 from ray_diloco.core.wire import as_tensor
 
 
@@ -138,7 +139,7 @@ class OrderedMean:
 
     def add(self, delta: np.ndarray | Packed, weight: float) -> None:
         """Add fp32 ``delta`` ``[numel]`` (kept by reference, never written), or a pseudo-gradient
-        still encoded in a scaled format (``core.quantize.Packed``: decoded a chunk at a time
+        still encoded in a scaled format (``core.formats.Packed``: decoded a chunk at a time
         when summed, the same values as decoding it whole), with ``weight`` > 0.
 
         Raises:

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ray_diloco.core.formats import BLOCK
 from ray_diloco.core.fragments import Fragment, ParamSpec
-from ray_diloco.core.quantize import BLOCK
 
 #: Shard boundaries are multiples of this many values.
 ALIGN = BLOCK

@@ -9,7 +9,7 @@ quantised outer update ``u = new - old``, which every receiver (and the driver i
 with :func:`apply_downlink`, so the driver and every replica hold bitwise-identical global
 parameters.
 
-Bytes counted are the lengths of the serialised messages (``quantize.to_message``: 13-byte
+Bytes counted are the lengths of the serialised messages (``core.formats``' frame: 13-byte
 header + fp32 block scales + packed values); Ray adds a few dozen bytes of object metadata.
 No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driver.py``) carry it.
 """
@@ -25,24 +25,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_diloco.core.quantize import (
+from ray_diloco.core.formats import (
     BLOCK,
-    SCALED,
-    decode,
-    encode_message,
-    from_message,
-    fused_codec,
-    message_nbytes,
+    RAW,
+    WireFormat,
+    all_finite,
     new_frame,
-    quantize_message,
+    parse,
     set_frame_scales,
+    wire_format,
 )
+from ray_diloco.core.quantize import decode, encode_message, fused_codec, quantize_message
 from ray_diloco.core.shards import shard_bounds
 
 CHUNK = 1 << 20  # values a lazily read pseudo-gradient is encoded by (a multiple of BLOCK)
 
-#: A wire message: the framed bytes of ``quantize.to_message`` (bytes or a uint8 array), or, for
-#: ``none``, the fp32 values themselves as an array (zero-copy through the object store; counted
+#: A wire message: a frame (``core.formats``; bytes or a uint8 array), or, for a raw format
+#: (``none``), the fp32 values themselves as an array (zero-copy through the object store; counted
 #: as the framed message's bytes).
 Message = Any
 
@@ -59,7 +58,7 @@ def message_size(message: Message | None) -> int:
     if message is None:
         return 0
     if is_raw(message):
-        return message_nbytes(message.size, "none")
+        return RAW.message_nbytes(message.size)
     return len(message)
 
 
@@ -74,13 +73,6 @@ def transfer_allowance_s(nbytes: int) -> float:
     return nbytes / TRANSFER_FLOOR_BPS
 
 
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether every value of ``x`` is finite, in one read pass: a finite sum proves it (a NaN or
-    an infinity makes the sum non-finite); only an overflowing sum of finite values needs the
-    element-wise check."""
-    return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
-
-
 def as_tensor(values: np.ndarray) -> torch.Tensor:
     """A torch view of fp32 ``values`` without a copy, also of a read-only (object store) array:
     the caller must not write to it."""
@@ -89,7 +81,7 @@ def as_tensor(values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(-1))
 
 
-def message_values(message: Message) -> tuple[str, np.ndarray]:
+def message_values(message: Message) -> tuple[WireFormat, np.ndarray]:
     """``(format, fp32 values [numel])`` of a message: a raw fp32 array as is (no copy), a framed
     one decoded (the pseudo-gradient or update it carries).
 
@@ -97,9 +89,9 @@ def message_values(message: Message) -> tuple[str, np.ndarray]:
         ValueError: malformed message.
     """
     if is_raw(message):
-        return "none", message.reshape(-1)
-    packed = from_message(message)
-    return packed.format, decode(packed)
+        return RAW, message.reshape(-1)
+    packed = parse(message)
+    return wire_format(packed.format), decode(packed)
 
 
 def apply_downlink(
@@ -122,8 +114,8 @@ def apply_downlink(
             raise ValueError(f"downlink has {values.numel()} values, the fragment has {old_global.numel()}")
         return torch.add(old_global, values, out=out)
     if not is_raw(message) and old_global.device.type == "cpu" and (out is None or out.is_contiguous()):
-        packed = from_message(message)
-        if packed.format in SCALED:  # decoded straight into the result (core.codec): no decoded copy
+        packed = parse(message)
+        if wire_format(packed.format).scaled:  # decoded straight into the result (core.codec): no decoded copy
             if packed.numel != old_global.numel():
                 raise ValueError(f"downlink has {packed.numel} values, the fragment has {old_global.numel()}")
             new = torch.empty_like(old_global) if out is None else out
@@ -136,7 +128,7 @@ def apply_downlink(
     fmt, decoded = message_values(message)
     if decoded.size != old_global.numel():
         raise ValueError(f"downlink has {decoded.size} values, the fragment has {old_global.numel()}")
-    if fmt == "none":  # a raw array stays a (read-only) view: nothing decoded or copied
+    if fmt.raw:  # a raw array stays a (read-only) view: nothing decoded or copied
         new = as_tensor(decoded) if isinstance(message, np.ndarray) else torch.from_numpy(decoded)
         return new if out is None else out.copy_(new)
     return torch.add(old_global, torch.from_numpy(decoded), out=out)
@@ -148,21 +140,22 @@ class Uplink:
     residuals. After a send the round's answer settles them: kept when the pseudo-gradient was
     used, the previous residual restored when it was not (:meth:`settle`).
 
-    Messages: with ``none`` the fp32 values themselves (slices of a host array: zero-copy through
+    Messages: with a raw format (``none``) the fp32 values themselves (slices of a host array: zero-copy through
     the object store; a device tensor is copied into a host buffer first); otherwise the framed
     bytes of each slice (``quantize.encode_message``: on the host one fused pass, which also
     writes the new residual), each slice starting at a multiple of ``quantize.BLOCK`` (the same
     blocks, bits and residual as the whole).
 
     Args:
-        fmt: ``streaming.quantization``. error_feedback: keep a residual per fragment.
+        fmt: ``streaming.quantization`` (a name or a ``core.formats.WireFormat``). error_feedback:
+            keep a residual per fragment.
         shards: ``diloco.outer_shards`` K (``core.shards.shard_bounds``).
         buffers: a ``core.sync.SyncBuffers`` the residuals (on the host) and host copies come
             from and go back to (None: fresh tensors).
     """
 
-    def __init__(self, fmt: str, error_feedback: bool, shards: int = 1, buffers: Any = None):
-        self.fmt, self.error_feedback, self.shards, self.buffers = fmt, error_feedback, shards, buffers
+    def __init__(self, fmt: str | WireFormat, error_feedback: bool, shards: int = 1, buffers: Any = None):
+        self.fmt, self.error_feedback, self.shards, self.buffers = wire_format(fmt), error_feedback, shards, buffers
         self.residuals: dict[int, torch.Tensor] = {}
         self._before: dict[int, tuple[bool, torch.Tensor | None]] = {}  # fragment -> (encoded, previous residual)
         self._deferred: dict[int, tuple[Any, list[Any]]] = {}  # fragment -> (lazy delta, messages): residual at settle
@@ -188,7 +181,7 @@ class Uplink:
             return None, delta
         bounds = shard_bounds(delta.numel(), self.shards)
         self._before[fragment] = (True, before)
-        if self.fmt == "none":
+        if self.fmt.raw:
             if self.error_feedback:  # fp32 loses nothing: the residual is spent
                 self.residuals.pop(fragment, None)
             value = delta if before is None else delta + before
@@ -214,7 +207,7 @@ class Uplink:
     def reads_lazily(self) -> bool:
         """Whether :meth:`encode` takes a ``core.fragments.PseudoGradient`` (a scaled format:
         the codec reads the pseudo-gradient chunk by chunk)."""
-        return self.fmt in SCALED
+        return self.fmt.scaled
 
     def _encode_chunks(self, fragment: int, src: Any, before: torch.Tensor | None) -> list[Any] | None:
         """:meth:`encode` of a ``PseudoGradient`` on the host: each :data:`CHUNK` values (a
@@ -223,13 +216,13 @@ class Uplink:
         is not finite. The new residual is not written here: :meth:`settle` writes it over the
         previous one when the round used the message (no second residual kept for a rollback)."""
         if src.device.type != "cpu" or not self.reads_lazily():
-            raise ValueError(f"a lazily read pseudo-gradient needs a scaled format on the host, got {self.fmt}")
+            raise ValueError(f"a lazily read pseudo-gradient needs a scaled format on the host, got {self.fmt.name}")
         n, codec = src.numel, fused_codec()
         scratch = torch.empty(min(CHUNK, n), dtype=torch.float32)
         messages = []
         for sl in shard_bounds(n, self.shards):
             frame, payload = new_frame(self.fmt, sl.stop - sl.start)
-            scales = np.empty(-(-(sl.stop - sl.start) // BLOCK), dtype=np.float32)
+            scales = np.empty(self.fmt.n_scales(sl.stop - sl.start), dtype=np.float32)
             for lo, hi in _spans(sl):
                 x = src.read(lo, hi, scratch)
                 if not all_finite(x):  # the replica abstains; the residual stays as it was
@@ -261,7 +254,7 @@ class Uplink:
             residual = self.buffers.take(n) if self.buffers is not None else torch.empty(n)
         scratch, sent = torch.empty(min(CHUNK, n)), torch.empty(min(CHUNK, n))
         for sl, message in zip(shard_bounds(n, self.shards), messages):
-            packed = from_message(message)
+            packed = parse(message)
             for lo, hi in _spans(sl):
                 x, r = src.read(lo, hi, scratch), residual[lo:hi]
                 d = sent[: hi - lo]
@@ -307,11 +300,10 @@ class Uplink:
         }
 
 
-def _chunk(payload: np.ndarray, fmt: str, lo: int, hi: int) -> np.ndarray:
+def _chunk(payload: np.ndarray, fmt: WireFormat, lo: int, hi: int) -> np.ndarray:
     """The bytes of a frame's ``payload`` that values ``[lo, hi)`` are packed into (``lo`` a
     multiple of ``BLOCK``: a chunk of whole blocks, as the encoders write them)."""
-    nbytes = fused_codec().payload_nbytes
-    return payload[nbytes(lo, fmt) : nbytes(hi, fmt)]
+    return payload[fmt.payload_nbytes(lo) : fmt.payload_nbytes(hi)]
 
 
 def _spans(sl: slice):
@@ -337,8 +329,8 @@ class Downlink:
         num_fragments: fragments of the global parameters.
     """
 
-    def __init__(self, fmt: str, error_feedback: bool, num_fragments: int):
-        self.fmt, self.error_feedback = fmt, error_feedback
+    def __init__(self, fmt: str | WireFormat, error_feedback: bool, num_fragments: int):
+        self.fmt, self.error_feedback = wire_format(fmt), error_feedback
         self.residuals: list[torch.Tensor | None] = [None] * num_fragments
 
     def step(self, opt: Any, fragment: int, mean: Any, average_only: bool = False) -> tuple[Message, float]:
@@ -353,7 +345,7 @@ class Downlink:
         Raises:
             ValueError: ``none`` format, or a non-finite update."""
         p = opt.params[fragment].detach()
-        if self.fmt not in SCALED or p.device.type != "cpu":
+        if not self.fmt.scaled or p.device.type != "cpu":
             _, update = opt.step_ordered(fragment, mean, average_only, keep_update=True)
             return self.encode_update(opt, fragment, update)
         n = p.numel()
@@ -364,7 +356,7 @@ class Downlink:
         else:
             fresh = False
         message, payload = new_frame(self.fmt, n)
-        scales = np.empty(-(-n // BLOCK), dtype=np.float32)
+        scales = np.empty(self.fmt.n_scales(n), dtype=np.float32)
         codec, sq = fused_codec(), [0.0]
         flat = p.reshape(-1).numpy()
 
@@ -396,14 +388,16 @@ class Downlink:
 
         Raises:
             ValueError: ``none`` format, or non-finite values."""
-        if self.fmt == "none":
-            raise ValueError("streaming.quantization = 'none': the reply is the global fragment, not an update")
+        if self.fmt.raw:
+            raise ValueError(
+                f"streaming.quantization = {self.fmt.name!r}: the reply is the global fragment, not an update"
+            )
         residual = self.residuals[fragment]
         p = opt.params[fragment].detach()
         value = update if residual is None else update + residual
         del update
         framed, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
-        if self.error_feedback:  # as quantize_with_feedback: what the encoding lost
+        if self.error_feedback:  # what the encoding lost
             self.residuals[fragment] = value - sent
         del value
         with torch.no_grad():
@@ -464,7 +458,7 @@ def message_numel(message: Message) -> int:
         ValueError: malformed framed message."""
     if is_raw(message):
         return message.size
-    return from_message(message).numel
+    return parse(message).numel
 
 
 def decode_reply(
@@ -512,8 +506,8 @@ def _decode_part(
     n_all = old.numel()
     if resync:
         fmt, values = message_values(message)
-        if fmt != "none" or values.size != n_all:
-            raise ValueError(f"resync has {values.size} {fmt} values, the fragment has {n_all}")
+        if not fmt.raw or values.size != n_all:
+            raise ValueError(f"resync has {values.size} {fmt.name} values, the fragment has {n_all}")
         return as_tensor(values) if isinstance(message, np.ndarray) else torch.from_numpy(values)
     if is_raw(message):
         return apply_downlink(old, message)  # a view: nothing allocated

@@ -60,8 +60,8 @@ import ray
 import torch
 
 from ray_diloco.components.threads import outer_threads
+from ray_diloco.core.formats import RAW, wire_format
 from ray_diloco.core.outer import outer_state_hash
-from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.rounds import Finished, Round, RoundBook
 from ray_diloco.core.shards import join_outer_states, shard_bounds
 from ray_diloco.core.wire import DROPPED, Reply, transfer_allowance_s
@@ -276,7 +276,7 @@ class _Recovery:
         if not self.enabled:
             return
         self.unbacked.setdefault(fragment, []).append(stepped)
-        plain = self.d.cfg.streaming.quantization == "none"
+        plain = wire_format(self.d.cfg.streaming.quantization).raw
 
         async def send() -> None:
             try:  # the copy is taken on each shard's maths thread, after this step, before the next
@@ -593,7 +593,7 @@ class _Rounds:
         transfer allowance of the fragment's bytes)."""
         assert self.d.numels is not None  # init_global first
         done = self._done[(fragment, step)]
-        allowance = transfer_allowance_s(message_nbytes(self.d.numels[fragment], "none"))
+        allowance = transfer_allowance_s(RAW.message_nbytes(self.d.numels[fragment]))
         remaining = self.d.book.deadline(fragment, step, allowance) - time.monotonic()
         try:
             await asyncio.wait_for(asyncio.shield(done.wait()), timeout=max(0.0, remaining))

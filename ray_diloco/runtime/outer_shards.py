@@ -37,8 +37,9 @@ import torch
 
 from ray_diloco.components.threads import outer_threads
 from ray_diloco.config import load_config
+from ray_diloco.core.formats import RAW, Packed, parse, wire_format
 from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
-from ray_diloco.core.quantize import SCALED, Packed, from_message, fused_codec, message_nbytes
+from ray_diloco.core.quantize import fused_codec
 from ray_diloco.core.shards import shard_bounds, slice_optimizer_state
 from ray_diloco.core.wire import Downlink, is_raw, message_numel, message_size, message_values
 
@@ -50,8 +51,8 @@ def _decode_and_check(message: Any) -> tuple[np.ndarray | Packed | None, float |
     read in one pass (``core.codec.norm``); a bf16 one decoded."""
     try:
         if not is_raw(message):
-            packed = from_message(message)
-            if packed.format in SCALED:
+            packed = parse(message)
+            if wire_format(packed.format).scaled:
                 norm = fused_codec().norm(packed.payload, packed.scales, packed.format, packed.numel)
                 return (packed, norm) if norm is not None else (None, None)
         values = message_values(message)[1]
@@ -189,10 +190,10 @@ class OuterShard:
         which this shard applies to its own copy exactly as every receiver does
         (``core.wire.Downlink.step``)."""
         assert self.opt is not None  # set_global first
-        s, p = self.cfg.streaming, self.opt.params[fragment]
-        if s.quantization == "none":
+        p = self.opt.params[fragment]
+        if self.downlink.fmt.raw:
             norm, _ = self.opt.step_ordered(fragment, mean, average_only)
-            ref, size = ray.put(p.numpy()), message_nbytes(p.numel(), "none")
+            ref, size = ray.put(p.numpy()), RAW.message_nbytes(p.numel())
         else:
             message, norm = self.downlink.step(self.opt, fragment, mean, average_only)
             ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
@@ -205,7 +206,7 @@ class OuterShard:
         def put() -> tuple[int, Any, int]:
             assert self.opt is not None  # set_global first
             p = self.opt.params[fragment]
-            return self.versions[fragment], ray.put(p.numpy()), message_nbytes(p.numel(), "none")
+            return self.versions[fragment], ray.put(p.numpy()), RAW.message_nbytes(p.numel())
 
         return await self._maths(put)
 

@@ -17,9 +17,10 @@ import torch
 from helpers import alive, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
 
 from ray_diloco.config import load_config
+from ray_diloco.core.formats import Packed, to_message
 from ray_diloco.core.fragments import tensor_hash
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import Packed, quantize_message, to_message
+from ray_diloco.core.quantize import quantize_message
 from ray_diloco.errors import ClusterError
 
 N = 257

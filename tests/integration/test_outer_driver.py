@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import downlink_encode, outer_step, pseudo_gradients
+from helpers import downlink_encode, outer_step, pseudo_gradients, quantize_with_feedback
 
 from ray_diloco.config import load_config
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import quantize_with_feedback
 from ray_diloco.core.shards import shard_bounds
 from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.sync import SyncBuffers

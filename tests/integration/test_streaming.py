@@ -10,7 +10,7 @@ import torch
 from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, tree, two_blocks_fn
 
 from ray_diloco.config import load_config
-from ray_diloco.core.quantize import message_nbytes
+from ray_diloco.core.formats import wire_format
 from ray_diloco.core.schedules import outer_step_bounds
 from ray_diloco.core.wire import dp_equivalent_bytes
 
@@ -94,7 +94,7 @@ def test_fp4_streaming_keeps_every_replica_bitwise_on_the_driver(ray_session, tm
                                      streaming__quantization="fp4_e3m0", streaming__error_feedback=True))
     t = start_trainer(cfg, corpus, torch_lm)
     try:
-        sizes = [message_nbytes(f.numel, "fp4_e3m0") for f in t.fragments]
+        sizes = [wire_format("fp4_e3m0").message_nbytes(f.numel) for f in t.fragments]
         for k in (1, 2, 3):
             row = t.outer_step(k)
             assert set(row["worker_global_sha256"]) == {row["global_sha256"]}

@@ -17,8 +17,8 @@ from ray_diloco.components.checkpoint import load_checkpoint
 from ray_diloco.components.data import ShardReader, val_windows
 from ray_diloco.components.evaluate import evaluate_loss
 from ray_diloco.config import load_config
+from ray_diloco.core.formats import RAW
 from ray_diloco.core.fragments import flatten, param_specs, plan_fragments
-from ray_diloco.core.quantize import message_nbytes
 from ray_diloco.core.schedules import inner_lr
 from ray_diloco.models.transformer import build_model, lm_loss, logits_of, make_inner_optimizer
 from ray_diloco.runtime.evaluation import evaluate_on_cluster, evaluate_run_on_cluster
@@ -79,8 +79,8 @@ def test_replicas_identical_at_start_and_after_every_outer_step(ray_session, tmp
             prev = row["global_sha256"]
             assert len(set(row["data_digest"])) == 2  # the replicas read different data
             # fp32 out and back, plus the 13-byte message header
-            assert row["bytes_sent"] == 2 * message_nbytes(t.num_params, "none") == row["bytes_received"]
-            assert message_nbytes(t.num_params, "none") == 4 * t.num_params + 13
+            assert row["bytes_sent"] == 2 * RAW.message_nbytes(t.num_params) == row["bytes_received"]
+            assert RAW.message_nbytes(t.num_params) == 4 * t.num_params + 13
     finally:
         t.shutdown()
 
@@ -104,8 +104,8 @@ def test_every_parameter_reaches_the_driver_and_comes_back(ray_session, tmp_path
         locals_ = ray.get([r.rank0.local_fragment.remote(0) for r in t.replicas])
         for loc in locals_:
             assert np.array_equal(loc, g1)
-        assert row["bytes_sent"] == 2 * message_nbytes(7 * corpus.vocab_size + 105 + 15 * corpus.vocab_size
-                                                        + corpus.vocab_size + 1, "none")
+        assert row["bytes_sent"] == 2 * RAW.message_nbytes(7 * corpus.vocab_size + 105 + 15 * corpus.vocab_size
+                                                            + corpus.vocab_size + 1)
     finally:
         t.shutdown()
 

@@ -81,9 +81,11 @@ def test_preset_literal_lists_every_preset_in_order():
 
 def test_wire_formats_are_the_config_literal_in_wire_order():
     """A format's wire id is its index in FORMATS: the order is part of the message format."""
-    from ray_diloco.core.quantize import FORMATS
+    from ray_diloco.core.formats import FORMATS
 
-    assert FORMATS == config.QUANTIZATION_FORMATS == ("none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0")
+    names = tuple(f.name for f in FORMATS)
+    assert names == config.QUANTIZATION_FORMATS == ("none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0")
+    assert [f.id for f in FORMATS] == list(range(len(FORMATS)))
 
 
 def test_the_model_module_re_exports_the_presets():

@@ -1,5 +1,5 @@
 """The fused CPU codec (``core.codec``) against the torch codec it replaces on the host
-(``core.quantize.encode_tensor_torch`` / ``decode_tensor_torch``, kept for tensors on a GPU and as
+(``core.formats.WireFormat.encode_torch`` / ``decode_torch``, kept for tensors on a GPU and as
 this oracle): the same bytes, decoded values, residuals and downlink globals, bit for bit, on
 random, padded, zero, signed-zero, subnormal, huge, rounding-tie and raw-bit-pattern inputs."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ray_diloco.core import codec
-from ray_diloco.core.quantize import BLOCK, decode_tensor_torch, encode_tensor_torch
+from ray_diloco.core.formats import BLOCK, wire_format
 
 SCALED = ["fp4_e3m0", "int8", "fp8_e4m3"]
 rng = np.random.default_rng(7)
@@ -74,11 +74,11 @@ CASES = {
 def test_fused_codec_bytes_and_values_equal_the_torch_codec(fmt: str, case: str) -> None:
     x = CASES[case]
     payload, scales = codec.encode(x, fmt)
-    want_p, want_s = encode_tensor_torch(torch.from_numpy(x), fmt)
+    want_p, want_s = wire_format(fmt).encode_torch(torch.from_numpy(x))
     assert np.array_equal(scales.view(np.uint32), want_s.numpy().view(np.uint32))
     assert np.array_equal(payload, want_p.numpy())
     got = codec.decode_into(payload, scales, fmt, np.empty(x.size, np.float32))
-    want = decode_tensor_torch(want_p, want_s, x.size, fmt).numpy()
+    want = wire_format(fmt).decode_torch(want_p, want_s, x.size).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # -0.0 included
     assert np.isfinite(got).all()  # a block of tiny subnormals too (its scale would round to 0)
     # a chunk of whole blocks, added to what is there (the outer side's decode-and-accumulate)
@@ -98,11 +98,11 @@ def test_the_torch_codec_on_a_cuda_gpu_writes_the_fused_codecs_bytes(fmt: str, c
     off for int8's 127 and fp8's 448), the same codes, the same decoded values."""
     x = CASES[case]
     payload, scales = codec.encode(x, fmt)
-    got_p, got_s = encode_tensor_torch(torch.from_numpy(x).cuda(), fmt)
+    got_p, got_s = wire_format(fmt).encode_torch(torch.from_numpy(x).cuda())
     assert np.array_equal(got_s.cpu().numpy().view(np.uint32), scales.view(np.uint32))
     assert np.array_equal(got_p.cpu().numpy(), payload)
     want = codec.decode_into(payload, scales, fmt, np.empty(x.size, np.float32))
-    got = decode_tensor_torch(got_p, got_s, x.size, fmt).cpu().numpy()
+    got = wire_format(fmt).decode_torch(got_p, got_s, x.size).cpu().numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -111,8 +111,8 @@ def test_error_feedback_and_downlink_in_one_pass_equal_the_torch_steps(fmt: str)
     x = CASES["normal_padded"]
     r = (rng.standard_normal(x.size) * 0.05).astype(np.float32)
     value = torch.from_numpy(x) + torch.from_numpy(r)
-    want_p, want_s = encode_tensor_torch(value, fmt)
-    sent = decode_tensor_torch(want_p, want_s, x.size, fmt)
+    want_p, want_s = wire_format(fmt).encode_torch(value)
+    sent = wire_format(fmt).decode_torch(want_p, want_s, x.size)
     new_r = np.empty_like(x)
     payload, scales = codec.encode(x, fmt, r, new_r)  # uplink: residual in, new residual out
     assert np.array_equal(payload, want_p.numpy()) and np.array_equal(scales, want_s.numpy())
@@ -149,7 +149,7 @@ def test_the_outer_side_sums_encoded_pseudo_gradients_with_the_bits_of_decoded_o
     the decoded values, bit for bit, across chunk edges; ``codec.norm`` reads the norm in one pass
     and refuses a message whose scale is not finite."""
     from ray_diloco.core import outer
-    from ray_diloco.core.quantize import Packed
+    from ray_diloco.core.formats import Packed
 
     n = outer.CHUNK + 3 * BLOCK + 5
     xs = [(rng.standard_normal(n) * (m + 1)).astype(np.float32) for m in range(3)]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import encode
 
-from ray_diloco.core.quantize import BLOCK, FORMATS, decode, encode
+from ray_diloco.config import QUANTIZATION_FORMATS as FORMATS
+from ray_diloco.core.formats import BLOCK
+from ray_diloco.core.quantize import decode
 
 
 def _block_scale(x: np.ndarray, max_value: float) -> np.ndarray:
@@ -85,7 +88,8 @@ def test_fp4_codes_on_the_thresholds_and_the_sign_of_zero():
     """The fp4 encoder's rounding (the nibble is the number of midpoints <= |y|, ties go up): every
     midpoint between 0, 2^-2, ..., 2^4 and the values just below it, both signs, zeros; a decoded
     nibble with the sign bit and code 0 is -0.0. Blocks of one scale (max 16) make y = x."""
-    from ray_diloco.core.quantize import BLOCK, decode, encode
+    from ray_diloco.core.formats import BLOCK
+    from ray_diloco.core.quantize import decode
 
     mids = np.array([0.125, 0.375, 0.75, 1.5, 3.0, 6.0, 12.0], np.float32)
     below = np.nextafter(mids, np.float32(0))
@@ -97,6 +101,6 @@ def test_fp4_codes_on_the_thresholds_and_the_sign_of_zero():
     want = np.concatenate([levels, [0, 0.25, 0.5, 1, 2, 4, 8], -levels, [0, -0.25, -0.5, -1, -2, -4, -8],
                            [16.0, 0.0, 0.0]]).astype(np.float32)
     assert np.array_equal(got, want) and not np.signbit(got[-2])  # code 0 never carries a sign
-    from ray_diloco.core.quantize import Packed
+    from ray_diloco.core.formats import Packed
     neg_zero = decode(Packed("fp4_e3m0", 2, np.array([0x88], np.uint8), np.ones(1, np.float32)))
     assert np.signbit(neg_zero).all() and not neg_zero.any()

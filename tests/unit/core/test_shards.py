@@ -9,8 +9,8 @@ import torch
 from helpers import outer_step
 
 from ray_diloco.config import OuterConfig
+from ray_diloco.core.formats import BLOCK
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import BLOCK
 from ray_diloco.core.shards import ALIGN, join_optimizer_states, shard_bounds, slice_optimizer_state
 
 

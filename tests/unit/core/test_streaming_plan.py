@@ -6,20 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import downlink_encode, outer_step
+from helpers import downlink_encode, outer_step, quantize_with_feedback
 
+from ray_diloco.config import QUANTIZATION_FORMATS as FORMATS
 from ray_diloco.config import load_config, num_fragments
+from ray_diloco.core.formats import parse as from_message
+from ray_diloco.core.formats import to_message, wire_format
 from ray_diloco.core.fragments import block_index, param_specs, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import (
-    FORMATS,
-    decode,
-    from_message,
-    message_nbytes,
-    quantize_message,
-    quantize_with_feedback,
-    to_message,
-)
+from ray_diloco.core.quantize import decode, quantize_message
 from ray_diloco.core.schedules import SyncSchedule, outer_step_bounds
 from ray_diloco.core.wire import Downlink, apply_downlink, dp_equivalent_bytes
 from ray_diloco.errors import ConfigError
@@ -137,7 +132,7 @@ def test_overlap_must_fit_between_fragment_syncs():
 def test_message_round_trip_and_size(fmt):
     x = torch.randn(1001)
     msg, sent = quantize_message(x, fmt)
-    assert len(msg) == message_nbytes(1001, fmt)
+    assert len(msg) == wire_format(fmt).message_nbytes(1001)
     p = from_message(msg)
     assert p.numel == 1001 and to_message(p) == msg
     with pytest.raises(ValueError):
@@ -159,7 +154,7 @@ def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
             deltas = [rng.standard_normal(777).astype(np.float32) * 0.01 for _ in range(2)]
             out = outer_step(driver, 0, [1.0, 1.0], *deltas)
             out["message"] = downlink_encode(downlink, driver, 0, out["before"])
-            assert len(out["message"]) == message_nbytes(777, fmt) < 4 * 777
+            assert len(out["message"]) == wire_format(fmt).message_nbytes(777) < 4 * 777
             replicas = [apply_downlink(r, out["message"]) for r in replicas]
             for r in replicas:
                 assert torch.equal(r, driver.params[0])

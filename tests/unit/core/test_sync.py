@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import downlink_encode, outer_step
+from helpers import downlink_encode, outer_step, quantize_with_feedback
 
 from ray_diloco.config import OuterConfig
+from ray_diloco.core.formats import parse as from_message
 from ray_diloco.core.fragments import ParamSpec, flatten, plan_fragments
 from ray_diloco.core.outer import OuterOptimizer
-from ray_diloco.core.quantize import decode, from_message, quantize_message, quantize_with_feedback
+from ray_diloco.core.quantize import decode, quantize_message
 from ray_diloco.core.rounds import RoundBook
 from ray_diloco.core.schedules import SyncSchedule
 from ray_diloco.core.staging import DeviceStaging

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import encode_downlink
+from helpers import encode, encode_downlink
 
 from ray_diloco.config import QUANTIZATION_FORMATS
 from ray_diloco.core.wire import (
@@ -61,7 +61,7 @@ def test_byte_accounting():
 def test_all_finite_in_one_pass_and_on_an_overflowing_sum():
     """A finite sum proves finiteness; an overflowing sum of finite values is still finite; any
     NaN or infinity is found."""
-    from ray_diloco.core.wire import all_finite
+    from ray_diloco.core.formats import all_finite
 
     x = torch.randn(10_000)
     assert all_finite(x)
@@ -79,7 +79,8 @@ def test_the_uplink_keeps_its_residual_when_used_and_restores_the_previous_one_w
     import numpy as np
     import torch
 
-    from ray_diloco.core.quantize import decode, encode, from_message
+    from ray_diloco.core.formats import parse as from_message
+    from ray_diloco.core.quantize import decode
     from ray_diloco.core.sync import SyncBuffers
     from ray_diloco.core.wire import Uplink
 

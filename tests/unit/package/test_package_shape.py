@@ -36,10 +36,20 @@ def _modules():
         yield path, layer, ast.parse(path.read_text())
 
 
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(tree):
+    """The package's modules a module imports; ``from package import module`` is the module (a
+    cycle through it is a cycle), ``from package import name`` the package."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ray_diloco"):
-            yield node.module
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            yield from (m for m in subs if _is_module(m))
+            if not all(_is_module(m) for m in subs):
+                yield node.module
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("ray_diloco"))
 
@@ -80,6 +90,42 @@ def test_no_import_cycle_counting_function_level_and_type_only_imports():
 
     for n in sorted(graph):
         visit(n)
+
+
+def test_the_cycle_check_sees_a_module_imported_from_its_package():
+    """``from ray_diloco.core import codec`` inside a function of a module codec imports back was
+    a cycle this test missed (it counted the package)."""
+    tree = ast.parse("def f():\n    from ray_diloco.core import codec, formats\nfrom ray_diloco.config import load_config")
+    assert set(_imports(tree)) == {"ray_diloco.core.codec", "ray_diloco.core.formats", "ray_diloco.config"}
+
+
+#: Format names (``streaming.quantization``); "bf16" is also a precision, so a comparison counts
+#: when its other side reads a format (``fmt``, ``format``, ``quantization``).
+_FORMAT_NAMES = {"none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0"}
+
+
+def test_only_core_formats_branches_on_a_formats_name():
+    """Each wire format is one object (``core.formats.WireFormat``): its size, codec, scaling and
+    whether it is sent raw are asked of it, never decided by comparing a format's name elsewhere
+    (``fmt == "none"``, ``fmt in SCALED``, a table keyed by names)."""
+    hits = []
+    for path, _, tree in _modules():
+        if path in (PKG / "core" / "formats.py",) or path.parent == PKG / "config":
+            continue
+        for node in ast.walk(tree):
+            consts = []
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                text = " ".join(ast.unparse(x) for x in sides)
+                if any(w in text for w in ("fmt", "format", "quantization", "SCALED")):
+                    consts = [c.value for x in sides for c in ast.walk(x) if isinstance(c, ast.Constant)]
+                    consts += ["SCALED"] if "SCALED" in text else []
+            elif isinstance(node, ast.Dict):
+                consts = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+                consts = consts if len(set(consts) & _FORMAT_NAMES) >= 2 else []
+            if set(consts) & (_FORMAT_NAMES | {"SCALED"}):
+                hits.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not hits, "format names branched on outside core/formats.py:\n" + "\n".join(hits)
 
 
 def test_no_function_over_80_lines_and_no_class_over_300():
