@@ -1,7 +1,7 @@
 """Bit-for-bit fingerprints of short training runs: does a change keep what every run computes?
 
 Runs four variants of the bundled Tiny Shakespeare run on one fixed seed with
-``run.log_hashes`` and ``run.deterministic`` (``tiny`` model, M=2, H=5, 20 inner steps, one Ray
+``run.log_hashes`` and ``run.deterministic`` (``tiny`` model, M=2, H=12, 48 inner steps, one Ray
 session for all):
 
     ddp              2 replicas x 1 worker (DDP), one fragment, fp32
@@ -31,14 +31,14 @@ from typing import Any
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
-COMMON = ["diloco.replicas=2", "diloco.H=5", "run.steps=20", "inner.warmup_steps=2", "run.eval_every=2",
+COMMON = ["diloco.replicas=2", "diloco.H=12", "run.steps=48", "inner.warmup_steps=2", "run.eval_every=2",
           "run.checkpoint_every=0", "run.log_hashes=true", "run.deterministic=true", "run.seed=7",
           "tracking.wandb=false", "tracking.progress=false", "inner.global_batch=8"]  # fmt: skip
 
 VARIANTS: dict[str, list[str]] = {
     "ddp": [],
     "fsdp_2x2": ["diloco.workers_per_replica=2", "diloco.sharding=fsdp"],
-    "streaming_fp4": ["streaming.fragments=3", "streaming.overlap_steps=1", "streaming.quantization=fp4_e3m0"],
+    "streaming_fp4": ["streaming.fragments=3", "streaming.overlap_steps=2", "streaming.quantization=fp4_e3m0"],
     "outer_shards_2": ["diloco.outer_shards=2", "streaming.fragments=2", "streaming.quantization=int8"],
 }
 

@@ -23,13 +23,14 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ray_diloco.components.storage import atomic_write, replace_dir, storage_reason
+from ray_diloco.components.storage import atomic_write, replace_dir, storage_reason, upload_file
 from ray_diloco.errors import CheckpointError
 
 _STEP = re.compile(r"^step_(\d{6,})$")
@@ -100,6 +101,35 @@ def write_state_file(path: Path, state: dict[str, Any]) -> int:
         return _write(Path(path), state)
     except Exception as e:  # noqa: BLE001 - disk full, permissions, unpicklable state
         raise CheckpointError(f"checkpoint file {path}: cannot be written ({_reason(e)})") from None
+
+
+def write_own_file(
+    path: Path, token: str | None, state: Callable[[], dict[str, Any]], upload: str | None, node: str
+) -> dict[str, Any]:
+    """The one way a process writes its own part of a checkpoint (a replica worker's
+    ``worker-R-K.pt``, the outer side's ``outer.pt``): when this process sees the checkpoint's
+    temporary directory (its ``token`` marker, :func:`sees_marker`), ``state()`` with
+    ``checkpoint_id`` ``token`` written to ``path`` atomically, then with ``upload`` (the file's
+    URI in ``run.storage_path``) copied there from here.
+
+    Returns ``{"file", "bytes", "node"}`` (+ ``"uploaded"``, or ``"upload_error"``: the job's
+    mirror uploads it); ``{"unseen": True, "node"}`` when this node does not see the directory
+    (``state`` is not called: the job fetches the state and writes it); ``{"error": line}``
+    when the file cannot be written (disk full, permissions): the job fails the checkpoint with
+    that line and removes its temporary directory; the process and the run go on. ``node``: the
+    Ray node id of the caller (for the job's messages)."""
+    path = Path(path)
+    if token is not None and not sees_marker(path.parent, token):
+        return {"unseen": True, "node": node}
+    try:
+        size = write_state_file(path, {**state(), "checkpoint_id": token})
+    except CheckpointError as e:
+        return {"error": str(e)}
+    info: dict[str, Any] = {"file": path.name, "bytes": size, "node": node}
+    if upload:
+        problem = upload_file(path, upload)
+        info.update({"uploaded": True} if problem is None else {"upload_error": problem})
+    return info
 
 
 def _reason(e: BaseException) -> str:

@@ -105,11 +105,10 @@ class Checkpointer:
                     remote and join_uri(remote, worker_file(r.index, rank)),
                 ),
             )
-            failed = [info["error"] for info in written.values() if "error" in info]
-            if failed:  # a disk full on a worker's side: the checkpoint fails, not the replica
-                raise CheckpointError(f"checkpoint {tmp.parent / name}: {failed[0]}")
+            _refuse_errors(tmp.parent / name, written.values())  # a worker's disk full fails the checkpoint only
             workers = {key: self._visible(tmp, info, key, st) for key, info in written.items()}
             saved = self.sync.save_state(tmp / OUTER_FILE, token, remote and join_uri(remote, OUTER_FILE))
+            _refuse_errors(tmp.parent / name, [saved or {}])  # the outer side's file, as a worker's
             outer = self._visible(tmp, saved, None, st) if saved is not None else None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -195,3 +194,11 @@ def signals_deferred(replay: bool = False):
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         if replay and pending:
             signal.raise_signal(pending[0])
+
+
+def _refuse_errors(where: Path, infos: Any) -> None:
+    """Raise the first ``{"error": line}`` of the writers' answers
+    (``components.checkpoint.write_own_file``) as the checkpoint's ``CheckpointError``."""
+    for info in infos:
+        if "error" in info:
+            raise CheckpointError(f"checkpoint {where}: {info['error']}")

@@ -460,20 +460,14 @@ class _DriverFiles:
         """See :meth:`OuterDriver.save_state`."""
         from pathlib import Path
 
-        from ray_diloco.components.checkpoint import sees_marker, write_state_file
+        from ray_diloco.components.checkpoint import write_own_file
 
-        node = ray.get_runtime_context().get_node_id()
-        if token is not None and not sees_marker(Path(path).parent, token):
-            return {"unseen": True, "node": node}
-        from ray_diloco.components.storage import upload_file
+        node, loop = ray.get_runtime_context().get_node_id(), asyncio.get_running_loop()
 
-        state = {**(await self.d.state_dict()), "checkpoint_id": token}
-        size = await asyncio.to_thread(write_state_file, Path(path), state)
-        info = {"file": Path(path).name, "bytes": size, "node": node}
-        if upload:
-            problem = await asyncio.to_thread(upload_file, Path(path), upload)
-            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
-        return info
+        def state() -> dict[str, Any]:  # on the writing thread: the state is gathered on the event loop
+            return asyncio.run_coroutine_threadsafe(self.d.state_dict(), loop).result()
+
+        return await asyncio.to_thread(write_own_file, Path(path), token, state, upload, node)
 
     async def export_weights(
         self, out_dir: str, fragments: list[Any], units: int, dtype: torch.dtype, token: str
@@ -830,12 +824,10 @@ class OuterDriver:
         """Write :meth:`state_dict` with ``checkpoint_id`` ``token`` to ``path`` (a checkpoint's
         ``outer.pt``) from this process, on a thread (pings are answered meanwhile), and with
         ``upload`` (its URI in ``run.storage_path``) copy it there too. Returns ``{"file", "bytes",
-        "node"}`` (+ ``"uploaded"`` or ``"upload_error"``, as ``ReplicaWorker.save_state``), or
-        ``{"unseen": True, "node"}`` when this node does not see the directory (no ``token``
-        marker there: the job then fetches :meth:`state_dict`).
-
-        Raises:
-            CheckpointError: the file cannot be written."""
+        "node"}`` (+ ``"uploaded"`` or ``"upload_error"``), ``{"unseen": True, "node"}`` when this
+        node does not see the directory (the job then fetches :meth:`state_dict`), or ``{"error":
+        line}`` when the file cannot be written (the job fails the checkpoint; the outer side goes
+        on): ``components.checkpoint.write_own_file``, as a replica worker's."""
         return await self.files.save_state(path, token, upload)
 
     async def export_weights(

@@ -337,32 +337,15 @@ class ReplicaWorker:
     def save_state(
         self, path: str, full: bool = True, token: str | None = None, upload: str | None = None
     ) -> dict[str, Any]:
-        """Write :meth:`WorkerState.state_dict` (``full`` as there) with ``checkpoint_id`` ``token``
-        to ``path``, a file of a checkpoint's temporary directory, from this process: the state
-        never travels to the job's process; with ``upload`` (the file's URI in
-        ``run.storage_path``) also copy it there from here (``components.storage.upload_file``).
-        Returns ``{"file", "bytes", "node"}`` (+ ``"uploaded"``, or ``"upload_error"``: the job's
-        mirror uploads it); ``{"unseen": True, "node"}`` when this node does not see that
-        directory (no ``token`` marker there: the job then fetches :meth:`state_dict`);
-        ``{"error": line}`` when the file cannot be written (disk full: the job fails the
-        checkpoint, not this replica)."""
-        from ray_diloco.components.checkpoint import sees_marker, write_state_file
-        from ray_diloco.components.storage import upload_file
-        from ray_diloco.errors import CheckpointError
+        """Write :meth:`WorkerState.state_dict` (``full`` as there) to ``path``, a file of a
+        checkpoint's temporary directory, from this process (the state never travels to the job's
+        process): ``components.checkpoint.write_own_file`` (its returns; a file that cannot be
+        written fails the checkpoint, not this replica)."""
+        from ray_diloco.components.checkpoint import write_own_file
 
         node = ray.get_runtime_context().get_node_id()
-        if token is not None and not sees_marker(Path(path).parent, token):
-            return {"unseen": True, "node": node}
-        try:  # the state is written before this worker trains again: its tensors need no copy
-            state = self.state.state_dict(full, copy_tensors=False)
-            size = write_state_file(Path(path), {**state, "checkpoint_id": token})
-        except CheckpointError as e:
-            return {"error": str(e)}
-        info = {"file": Path(path).name, "bytes": size, "node": node}
-        if upload:
-            problem = upload_file(Path(path), upload)
-            info.update({"uploaded": True} if problem is None else {"upload_error": problem})
-        return info
+        # written before this worker trains again: its tensors need no copy
+        return write_own_file(Path(path), token, lambda: self.state.state_dict(full, copy_tensors=False), upload, node)
 
     def restore_state(
         self, own: dict[str, Any], full: dict[str, Any] | None = None, checkpoint_id: str | None = None

@@ -38,6 +38,15 @@ def test_each_process_writes_its_own_state_and_a_resume_reads_it_bitwise(ray_ses
         monkeypatch.setattr(trainer_module, "begin_checkpoint", blocked)
         with pytest.raises(CheckpointError, match="worker-1-0.pt: cannot be written"):
             t.checkpoint()
+
+        def outer_blocked(run_dir, step):  # the outer side cannot write outer.pt: the same one writer
+            tmp = real_begin(run_dir, step)
+            (tmp / "outer.pt").mkdir()
+            return tmp
+
+        monkeypatch.setattr(trainer_module, "begin_checkpoint", outer_blocked)
+        with pytest.raises(CheckpointError, match=r"step_000001: checkpoint file .*outer.pt: cannot be written"):
+            t.checkpoint()
         monkeypatch.setattr(trainer_module, "begin_checkpoint", real_begin)
         assert [r.index for r in t.replicas] == [0, 1]  # the checkpoint failed, not the replica
         assert [p.name for p in (t.run_dir / "checkpoints").iterdir()] == ["step_000001"]  # no temporary left
