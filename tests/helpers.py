@@ -431,3 +431,17 @@ def pseudo_gradients(seed: int, n: int, m: int) -> list:
 
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(n).astype(np.float32) for _ in range(m)]
+
+
+def pending_rounds(driver) -> int:
+    """Open rounds (waiting for pseudo-gradients or closing) of an ``OuterDriverActor``."""
+    import ray
+
+    return ray.get(driver.__ray_call__.remote(lambda d: len(d.book.rounds)))
+
+
+def member_ids(driver) -> dict[int, int]:
+    """``{replica id: join step}`` of an ``OuterDriverActor``'s current members."""
+    import ray
+
+    return ray.get(driver.__ray_call__.remote(lambda d: dict(d.book.members)))

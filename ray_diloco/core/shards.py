@@ -1,4 +1,4 @@
-"""The shard layout of the outer exchange, designed once for every sharded part (issue 14).
+"""The shard layout of the outer exchange, designed once for every sharded part.
 
 A fragment's flat fp32 parameters ``[numel_p]`` are split into K contiguous slices; slice k is
 owned by outer-optimiser shard k (``runtime.outer_shards.OuterShard``), which holds those global

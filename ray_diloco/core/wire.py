@@ -11,7 +11,7 @@ parameters.
 
 Bytes counted are the lengths of the serialised messages (``core.formats``' frame: 13-byte
 header + fp32 block scales + packed values); Ray adds a few dozen bytes of object metadata.
-No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driver.py``) carry it.
+No Ray here: the runtime's link (``runtime/link.py``) and driver (``runtime/driver/``) carry it.
 """
 
 from __future__ import annotations

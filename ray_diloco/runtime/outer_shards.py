@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
@@ -42,6 +42,30 @@ from ray_diloco.core.outer import OrderedMean, OuterOptimizer, finite_norm
 from ray_diloco.core.quantize import fused_codec
 from ray_diloco.core.shards import shard_bounds, slice_optimizer_state
 from ray_diloco.core.wire import Downlink, is_raw, message_numel, message_size, message_values
+
+
+class Checked(NamedTuple):
+    """A shard's check of its slice of a pseudo-gradient (:meth:`OuterShard.check`)."""
+
+    norm: float | None  # its L2 norm; None: not finite (not kept)
+    nbytes: int  # the bytes it counts for on the wire
+
+
+class Stepped(NamedTuple):
+    """A shard's outer step of its slice (:meth:`OuterShard.step`)."""
+
+    ref: Any  # the reply's ObjectRef (the new global slice, or its quantised update)
+    nbytes: int  # the reply's bytes on the wire
+    norm: float  # the L2 norm of the slice's update
+    version: int  # the fragment's version after the step
+
+
+class Current(NamedTuple):
+    """A shard's current global slice of a fragment (:meth:`OuterShard.current`, a resync)."""
+
+    version: int
+    ref: Any  # ObjectRef of the fp32 values
+    nbytes: int
 
 
 def _decode_and_check(message: Any) -> tuple[np.ndarray | Packed | None, float | None]:
@@ -136,7 +160,7 @@ class OuterShard:
         self.versions = [0] * len(numels)
 
     # -- a round ------------------------------------------------------------------------------
-    async def check(self, fragment: int, step: int, replica: int, message: Any) -> tuple[float | None, int]:
+    async def check(self, fragment: int, step: int, replica: int, message: Any) -> Checked:
         """Fetch (``[ObjectRef]``, zero-copy) and check replica ``replica``'s pseudo-gradient slice
         of ``fragment`` for round ``step``; keep its values for :meth:`step`. Returns its norm
         (None: not finite, not kept) and its bytes.
@@ -158,7 +182,7 @@ class OuterShard:
         if norm is not None:
             assert values is not None  # kept with its norm
             self.pending.setdefault((fragment, step), {})[replica] = values
-        return norm, size
+        return Checked(norm, size)
 
     def discard(self, fragment: int, step: int, replica: int | None = None) -> None:
         """Drop the kept pseudo-gradients of a round (``replica``: only that one's)."""
@@ -170,12 +194,10 @@ class OuterShard:
             if not held:
                 self.pending.pop((fragment, step), None)
 
-    async def step(
-        self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool
-    ) -> tuple[Any, int, float, int]:
+    async def step(self, fragment: int, step: int, terms: list[tuple[int, float]], average_only: bool) -> Stepped:
         """The outer step of this slice on the token-weighted mean of ``terms`` (``(replica,
         weight)`` in the driver's order; weight 0: in the round, not in the sum), and its reply
-        put once into the object store. Returns ``(reference, bytes, update norm, version)``."""
+        put once into the object store."""
         held = self.pending.pop((fragment, step), {})
         mean = OrderedMean(self.bounds[fragment].stop - self.bounds[fragment].start)
         for m, w in terms:
@@ -184,7 +206,7 @@ class OuterShard:
         del held
         return await self._maths(self._step, fragment, mean, average_only)
 
-    def _step(self, fragment: int, mean: OrderedMean, average_only: bool) -> tuple[Any, int, float, int]:
+    def _step(self, fragment: int, mean: OrderedMean, average_only: bool) -> Stepped:
         """(maths thread) ``OuterOptimizer.step_ordered`` (mean and step in one chunked pass) and
         the reply: with ``none`` the new global slice itself; otherwise the quantised update,
         which this shard applies to its own copy exactly as every receiver does
@@ -198,15 +220,15 @@ class OuterShard:
             message, norm = self.downlink.step(self.opt, fragment, mean, average_only)
             ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
         self.versions[fragment] += 1
-        return ref, size, norm, self.versions[fragment]
+        return Stepped(ref, size, norm, self.versions[fragment])
 
-    async def current(self, fragment: int) -> tuple[int, Any, int]:
-        """``(version, reference, bytes)`` of this slice's current global values (a resync)."""
+    async def current(self, fragment: int) -> Current:
+        """This slice's current global values (a resync)."""
 
-        def put() -> tuple[int, Any, int]:
+        def put() -> Current:
             assert self.opt is not None  # set_global first
             p = self.opt.params[fragment]
-            return self.versions[fragment], ray.put(p.numpy()), RAW.message_nbytes(p.numel())
+            return Current(self.versions[fragment], ray.put(p.numpy()), RAW.message_nbytes(p.numel()))
 
         return await self._maths(put)
 

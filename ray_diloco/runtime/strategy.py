@@ -6,7 +6,7 @@ algorithm runs:
 
 - :class:`DiLoCoSync` (DiLoCo, arXiv 2311.08105, Algorithm 1; Streaming DiLoCo, arXiv
   2501.18512, section 2): M replicas of W workers, each its own DDP group; an outer-optimiser
-  driver actor (``runtime/driver.py``) holds the global parameters; the workers sync fragments
+  driver actor (``runtime/driver/``) holds the global parameters; the workers sync fragments
   on the pure :class:`~ray_diloco.core.schedules.SyncSchedule`; replica failures are survived
   (``runtime/membership.py``).
 - :class:`DataParallelSync`: one DDP group over all M x W workers, no outer step, no driver;

@@ -14,7 +14,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import alive, outer_step, read_metrics, start_trainer, tiny_overrides, torch_lm, wait_for
+from helpers import (
+    alive,
+    member_ids,
+    outer_step,
+    pending_rounds,
+    read_metrics,
+    start_trainer,
+    tiny_overrides,
+    torch_lm,
+    wait_for,
+)
 
 from ray_diloco.config import load_config
 from ray_diloco.core.formats import Packed, to_message
@@ -102,7 +112,7 @@ def test_a_dead_member_releases_the_round_at_once(ray_session):
     replies = ray.get([driver.exchange.remote(0, 10, m, 1.0, _msg(m)[0], 1) for m in (0, 1)])
     assert [r.status for r in replies] == ["ok", "ok"]  # completes without a timeout
     assert "timeout" not in [e["event"] for e in ray.get(driver.take_events.remote())]
-    assert ray.get(driver.member_ids.remote()) == {0: 0, 1: 0}
+    assert member_ids(driver) == {0: 0, 1: 0}
     ray.kill(driver)
 
 
@@ -156,7 +166,7 @@ def test_the_driver_answers_pings_and_joins_while_it_steps_a_large_fragment(ray_
     print(f"\nround {time.monotonic() - t0:.2f} s; {sum(open_after)} of {len(open_after)} pings answered in it")
     assert sum(open_after) >= 3, open_after
     assert [r.status for r in replies] == ["ok", "ok"] and replies[0].message == replies[1].message
-    assert 7 in ray.get(driver.member_ids.remote())
+    assert 7 in member_ids(driver)
     ray.kill(driver)
 
 
@@ -363,7 +373,7 @@ def test_driver_kill_then_resume_is_bitwise(ray_session, tmp_path, corpus):
         wait_for(lambda: not alive(pid), 10, f"shard {k} (pid {pid}) to die")
 
     def when_open(t):
-        wait_for(lambda: ray.get(t.driver.pending_rounds.remote()) > 0, 60, "a round to open", poll=0.002)
+        wait_for(lambda: pending_rounds(t.driver) > 0, 60, "a round to open", poll=0.002)
         kill_shard(t, 1)
 
     ref = start_trainer(load_config(tiny_overrides(tmp_path, run__name="ref", diloco__outer_shards=2, **over)), corpus,
@@ -486,7 +496,7 @@ def _chaos_kill(t, mode: str, victims: dict[int, int], k: int) -> None:
         time.sleep(rng.uniform(0.05, 0.4))
     else:
         deadline = time.monotonic() + 30
-        while ray.get(t.driver.pending_rounds.remote()) == 0 and time.monotonic() < deadline:
+        while pending_rounds(t.driver) == 0 and time.monotonic() < deadline:
             time.sleep(0.002)
     live = list(t.replicas)
     if live:

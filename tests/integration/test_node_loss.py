@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
-    from helpers import start_trainer, tiny_overrides, torch_lm
+    from helpers import pending_rounds, start_trainer, tiny_overrides, torch_lm
     from ray_diloco.components.checkpoint import load_checkpoint
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent("""
         over = threading.Event()
 
         def in_round():
-            while ray.get(t.driver.pending_rounds.remote()) == 0:
+            while pending_rounds(t.driver) == 0:
                 if over.is_set():
                     return
                 time.sleep(0.002)

@@ -3,7 +3,7 @@
 An in-process transport stands in for ``runtime/link.py``: each replica's exchanges run on its
 own one-thread pool (futures resolve in the background, like the link), and a tiny in-memory
 driver averages the replicas' pseudo-gradients with ``core.outer.OuterOptimizer`` and encodes
-the reply with ``core.wire`` exactly as ``runtime/driver.py`` does. The replicas' "inner steps"
+the reply with ``core.wire`` exactly as ``runtime/driver/`` does. The replicas' "inner steps"
 add seeded noise, so an independent replay of the algorithm (Streaming DiLoCo, arXiv
 2501.18512, section 2) can be compared with them bit for bit.
 """
@@ -53,7 +53,7 @@ def _noise(replica: int, t: int) -> dict[str, torch.Tensor]:
 
 class MemoryDriver:
     """The outer optimiser in process, synchronous: the round rules of ``core.rounds.RoundBook``
-    (what ``runtime/driver.py`` runs), the outer step of ``core.outer.OuterOptimizer`` and the
+    (what ``runtime/driver/`` runs), the outer step of ``core.outer.OuterOptimizer`` and the
     downlink of ``core.wire``; a round completes when every replica has sent.
 
     ``fail``: rounds ``(fragment, step)`` that fail (as without a quorum). A replica that sends
