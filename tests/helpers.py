@@ -445,3 +445,47 @@ def member_ids(driver) -> dict[int, int]:
     import ray
 
     return ray.get(driver.__ray_call__.remote(lambda d: dict(d.book.members)))
+
+
+def data_windows(worker):
+    """Training windows (int64 ``[per_shard]``) a ``ReplicaWorker``'s shard reads in its current epoch."""
+    import numpy as np
+    import ray
+
+    def windows(w):
+        r = w.parts.reader  # either window order: a numpy permutation's or a Feistel permutation's
+        return np.asarray(r._windows(r.epoch, np.arange(r.per_shard, dtype=np.int64)), dtype=np.int64)
+
+    return ray.get(worker.__ray_call__.remote(windows))
+
+
+class SyncRecorder:
+    """A ``FragmentSync.observe`` callback that keeps one record per sync: at the send the
+    fragment, send step, global and local fp32 values; at the merge the apply step, new global,
+    local values before the merge and the merged values."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def __call__(self, event: str, tensors: dict) -> None:
+        if event == "sent":
+            self.records.append(dict(tensors))
+            return
+        rec = next(r for r in reversed(self.records)
+                   if r["fragment"] == tensors["fragment"] and r["send_step"] == tensors["send_step"])
+        rec.update(tensors)
+
+
+def record_syncs(workers) -> None:
+    """Start recording every sync of each ``ReplicaWorker`` (:class:`SyncRecorder`)."""
+    import ray
+
+    ray.get([w.__ray_call__.remote(lambda self: self.parts.sync.observe(SyncRecorder())) for w in workers])
+
+
+def sync_records(workers) -> list:
+    """The records of :func:`record_syncs`, per worker."""
+    import ray
+
+    return ray.get([w.__ray_call__.remote(lambda self: self.parts.sync.on_sync.records) for w in workers])
+

@@ -345,9 +345,6 @@ class RunConfig:
     log_hashes: bool = False
     """Log the sha256 of the global parameters, the outer state, each worker's global and local parameters
     and the data read, per outer step."""
-    trace_syncs: bool = False
-    """Workers keep every sync's fp32 tensors (global at send, local at send and merge, new global, merged)
-    for inspection; tests and debugging only."""
     address: str | None = None
     """Ray address: ``auto`` (the cluster running on this machine), HOST:PORT or ``ray://``; None
     (or ``local``): a local cluster of the run's own, even when another runs on the machine

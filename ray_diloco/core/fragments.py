@@ -44,11 +44,6 @@ class Fragment:
         return sum(p.numel for p in self.params)
 
     @property
-    def nbytes_fp32(self) -> int:
-        """Bytes of the fragment as fp32 (4 per element)."""
-        return 4 * self.numel
-
-    @property
     def names(self) -> tuple[str, ...]:
         """Parameter names in exchange order."""
         return tuple(p.name for p in self.params)

@@ -209,7 +209,7 @@ class CommCounters:
 
 class FragmentSync:
     """One worker's side of the fragment syncs: global fragments and their versions, last send
-    steps, syncs in flight, byte counters and (optionally) a trace of every sync.
+    steps, syncs in flight, byte counters.
 
     Args:
         params: the model's parameters by name (updated in place by merges and resets).
@@ -218,7 +218,6 @@ class FragmentSync:
         batch, seq_len, world_size: a pseudo-gradient's weight is the tokens the replica trained
             since the fragment's last send, ``steps * batch * seq_len * world_size``.
         rank: the worker's rank in its replica; only rank 0 computes pseudo-gradients.
-        trace: record fp32 tensors of every send and merge (``run.trace_syncs``).
         on_reset: called after a reset to the global parameters (clear the inner optimiser).
 
     ``buffers`` (:class:`SyncBuffers`) are shared with the transport: pseudo-gradients are
@@ -237,12 +236,12 @@ class FragmentSync:
         seq_len: int,
         world_size: int,
         rank: int = 0,
-        trace: bool = False,
         on_reset: Callable[[], None] | None = None,
     ):
         self.params, self.fragments, self.alpha = params, fragments, alpha
         self.batch, self.seq_len, self.world_size, self.rank = batch, seq_len, world_size, rank
-        self.tracing, self.on_reset = trace, on_reset
+        self.on_reset = on_reset
+        self.on_sync: Callable[[str, dict[str, Any]], None] | None = None  # see observe
         n = len(fragments)
         self.global_flat: list[torch.Tensor | None] = [None] * n
         self.global_version = [0] * n  # outer steps applied to each global fragment
@@ -252,11 +251,17 @@ class FragmentSync:
         self.transport: Transport | None = None
         self.pending: list[PendingSync] = []
         self.last_send = [0] * n
-        self.trace: list[dict[str, Any]] = []
         self.comm = CommCounters()
         self.buffers = SyncBuffers()
 
     # -- set-up ----------------------------------------------------------------------------
+    def observe(self, on_sync: Callable[[str, dict[str, Any]], None] | None) -> None:
+        """Call ``on_sync(event, tensors)`` at each send (``"sent"``: fragment, send step, the
+        global and local fp32 values then) and merge (``"merged"``: the apply step, new global,
+        local values before the merge, merged values); host copies, for inspection (tests,
+        debugging). None: stop. Nothing is recorded otherwise."""
+        self.on_sync = on_sync
+
     def attach(self, schedule: SyncSchedule, transport: Transport, staging: DeviceStaging | None = None) -> None:
         """From now on :meth:`step` syncs fragments on ``schedule`` through ``transport``.
 
@@ -360,10 +365,9 @@ class FragmentSync:
             f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t), ready=ready
         )
         self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
-        if self.tracing:
-            self.trace.append(
-                {"fragment": f, "send_step": t, "old_global": g.clone(), "local_at_send": flatten(self.params, frag)}
-            )
+        if self.on_sync is not None:
+            self.on_sync("sent", {"fragment": f, "send_step": t, "old_global": g.clone(),
+                                  "local_at_send": flatten(self.params, frag)})  # fmt: skip
 
     def _waits_for(self, t: int) -> bool:
         """Whether the training thread does nothing but wait for the one sync it starts at step
@@ -387,8 +391,8 @@ class FragmentSync:
             self.global_dev[f] = self.staging.adopt(res.staged) if res.staged is not None else self.staging.put(new)
         held = new if self.staging is None else self.global_dev[f]
         assert held is not None  # a device copy is kept of every loaded fragment
-        # the local values are read only where the merge or the trace needs them (not for alpha 0)
-        local = flatten(self.params, frag, held.device) if self.tracing or 0 < alpha < 1 else None
+        # the local values are read only where the merge or an observer needs them (not for alpha 0)
+        local = flatten(self.params, frag, held.device) if self.on_sync is not None or 0 < alpha < 1 else None
         merged: torch.Tensor | None
         if res.status == FAILED:
             self.last_send[f] = e.prev_send
@@ -402,20 +406,14 @@ class FragmentSync:
             # local is read for 0 < alpha < 1
             merged = held if alpha == 0 else alpha * cast(torch.Tensor, local) + (1 - alpha) * held
             unflatten_into(self.params, frag, merged)
-        if self.tracing:
-            assert merged is not None  # tracing reads the local values
-            rec = next(r for r in reversed(self.trace) if r["fragment"] == f and r["send_step"] == e.send_step)
-            rec.update(
-                {
-                    "apply_step": e.apply_step,
-                    "new_global": new.clone(),
-                    "local_before_merge": _host(local),
-                    "merged": merged.to("cpu", copy=True),
-                }
-            )
+        if self.on_sync is not None:
+            assert merged is not None  # an observer reads the local values
+            self.on_sync("merged", {"fragment": f, "send_step": e.send_step, "apply_step": e.apply_step,
+                                    "new_global": new.clone(), "local_before_merge": _host(local),
+                                    "merged": merged.to("cpu", copy=True)})  # fmt: skip
         # an exchange reads its old global only while its sync is pending (join and
         # load_state_dict replace the globals before dropping pending syncs, so an abandoned
-        # exchange never reads a buffer given here); the trace keeps clones
+        # exchange never reads a buffer given here); an observer is given clones
         if old is not None and not same and not any(p.fragment == f for p in self.pending):
             self.buffers.give(old)
         del old

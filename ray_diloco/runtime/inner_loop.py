@@ -164,7 +164,6 @@ class WorkerParts:
             seq_len=self.cfg.data.seq_len,
             world_size=self.world_size,
             rank=0 if self.fsdp else self.rank,
-            trace=self.cfg.run.trace_syncs,
             on_reset=lambda: self.optimizer.state.clear(),
         )
 

@@ -237,12 +237,6 @@ class ReplicaWorker:
         concurrency group, also while :meth:`train` runs, so a kill lands in the running round."""
         return os.getpid()
 
-    def data_windows(self) -> np.ndarray:
-        """Training windows (int64 ``[per_shard]``) this worker's shard reads in its current epoch."""
-        r = self.parts.reader  # either window order: a numpy permutation's or a Feistel permutation's
-        assert r is not None  # opened by setup
-        return np.asarray(r._windows(r.epoch, np.arange(r.per_shard, dtype=np.int64)), dtype=np.int64)
-
     def param_specs(self) -> list[ParamSpec]:
         """Names and shapes of the trainable parameters, in exchange order."""
         return self.parts.specs
@@ -296,10 +290,6 @@ class ReplicaWorker:
         globals_ = [fetch_global(g) for g in self.state.units(global_refs)]
         digest = self.state.join(globals_, self.state.units(versions), step, inner, reader_state, shard)
         return digest, "peer" if inner is not None else "fresh"
-
-    def sync_trace(self) -> list[dict[str, Any]]:
-        """Recorded sync events (``run.trace_syncs``): fp32 tensors at send and merge time."""
-        return self.parts.sync.trace
 
     # -- state (runtime.inner_loop.WorkerState) ---------------------------------------------
     def local_fragment(self, fragment: int) -> np.ndarray:

@@ -372,6 +372,8 @@ def test_the_where_things_live_table_names_real_files_and_definitions():
                                     if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
                 elif isinstance(node, ast.Assign):  # OuterDriverActor = ray.remote(...)(OuterDriver)
                     defined |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # FORMATS: tuple = ...
+                    defined.add(node.target.id)
         for s in spans:
             if re.fullmatch(r"[A-Za-z_]\w*(\.\w+)?", s) and not s.endswith(".py") and files and s not in defined:
                 problems.append(f"{s}: not defined in {[str(f.relative_to(ROOT)) for f in files]}")

@@ -16,11 +16,14 @@ import pytest
 import torch
 from helpers import (
     alive,
+    data_windows,
     member_ids,
     outer_step,
     pending_rounds,
     read_metrics,
+    record_syncs,
     start_trainer,
+    sync_records,
     tiny_overrides,
     torch_lm,
     wait_for,
@@ -261,7 +264,7 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
     as the other replicas."""
     ray = ray_session
     cfg = load_config(tiny_overrides(tmp_path, run__log_hashes=True, run__steps=30, run__eval_every=0,
-                                     diloco__max_replicas=3, diloco__cpus_per_worker=0.5, run__trace_syncs=True))
+                                     diloco__max_replicas=3, diloco__cpus_per_worker=0.5))
     blocker = _blocker(ray, 1.0)  # 2 CPUs - 2 x 0.5 for the replicas: no room for a third
     t = start_trainer(cfg, corpus, torch_lm)
     try:
@@ -284,11 +287,12 @@ def test_late_joiner_gets_the_global_parameters_and_a_free_shard(ray_session, tm
         assert join["inner_state"] == "peer"  # a live replica's AdamW state
         hashes = {ray.get(r.rank0.global_hash.remote()) for r in t.replicas}
         assert hashes == {before["global"]}
-        windows = [set(ray.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas]
+        windows = [set(data_windows(r.rank0).tolist()) for r in t.replicas]
         assert not (windows[2] & windows[0]) and not (windows[2] & windows[1])
+        record_syncs([r.rank0 for r in t.replicas])
         row = t.outer_step(3)
         assert row["replicas_live"] == 3 and sorted(row["pseudo_grad_norm"]) == ["replica_0", "replica_1", "replica_2"]
-        traces = [ray.get(r.rank0.sync_trace.remote()) for r in t.replicas]
+        traces = sync_records([r.rank0 for r in t.replicas])
         first = traces[2][0]
         other = next(x for x in traces[0] if x["send_step"] == first["send_step"] and x["fragment"] == first["fragment"])
         assert torch.equal(first["old_global"], other["old_global"])

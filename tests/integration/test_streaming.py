@@ -7,7 +7,17 @@ import json
 
 import numpy as np
 import torch
-from helpers import core_diloco_reference, run_main, start_trainer, tiny_overrides, torch_lm, tree, two_blocks_fn
+from helpers import (
+    core_diloco_reference,
+    record_syncs,
+    run_main,
+    start_trainer,
+    sync_records,
+    tiny_overrides,
+    torch_lm,
+    tree,
+    two_blocks_fn,
+)
 
 from ray_diloco.config import load_config
 from ray_diloco.core.formats import wire_format
@@ -31,7 +41,7 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus):
     tau = 1
     alpha, closing = 0.5, "average"
     cfg = load_config(tiny_overrides(
-        tmp_path, diloco__H=6, run__steps=18, run__trace_syncs=True, run__eval_every=0, run__checkpoint_every=0,
+        tmp_path, diloco__H=6, run__steps=18, run__eval_every=0, run__checkpoint_every=0,
         streaming__fragments=2, streaming__overlap_steps=tau, streaming__alpha=alpha,
         streaming__closing_round=closing, outer__name="sgd", outer__lr=2.0, outer__momentum=0.0,
         inner__lr=2.0 ** -6, inner__beta1=0.0, inner__beta2=0.0, inner__eps=2.0 ** -30, inner__weight_decay=0.0,
@@ -40,9 +50,10 @@ def test_streaming_numerics_exact(ray_session, tmp_path, corpus):
     t = start_trainer(cfg, corpus, two_blocks_fn)
     try:
         assert t.num_fragments == 2
+        record_syncs([r.rank0 for r in t.replicas])
         for k in range(1, 4):
             t.outer_step(k)
-        traces = ray.get([r.rank0.sync_trace.remote() for r in t.replicas])
+        traces = sync_records([r.rank0 for r in t.replicas])
         assert traces[0] and len(traces[0]) == len(traces[1])
         assert [(r["send_step"], r["fragment"]) for r in traces[0]] == t.schedule.sends_between(0, 18)
         assert sum(t.schedule.is_closing(r["fragment"], r["send_step"]) for r in traces[0]) == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import SHAKESPEARE, read_metrics, tiny_overrides, torch_lm
+from helpers import SHAKESPEARE, data_windows, read_metrics, tiny_overrides, torch_lm
 
 from ray_diloco.components.text import char_tokenizer
 from ray_diloco.components.token_store import TokenStore, write_store
@@ -93,7 +93,7 @@ def test_a_replacement_takes_over_its_slot_of_a_prepared_store(ray_session, tmp_
     t = start_trainer(cfg, load_corpus(cfg.data), torch_lm)
     try:
         t.outer_step(1)
-        w0, w1 = (set(ray_mod.get(r.rank0.data_windows.remote()).tolist()) for r in t.replicas)
+        w0, w1 = (set(data_windows(r.rank0).tolist()) for r in t.replicas)
         assert w0 and w1 and not (w0 & w1)
         os.kill(ray_mod.get(t.replicas[1].rank0.pid.remote(), timeout=10), signal.SIGKILL)
         row = t.outer_step(2)
@@ -104,7 +104,7 @@ def test_a_replacement_takes_over_its_slot_of_a_prepared_store(ray_session, tmp_
             time.sleep(0.1)
         row = t.outer_step(3)  # replica 2 joins in slot 1
         assert [(r.index, r.slot) for r in t.replicas] == [(0, 0), (2, 1)]
-        w2 = set(ray_mod.get(t.replicas[1].rank0.data_windows.remote()).tolist())
+        w2 = set(data_windows(t.replicas[1].rank0).tolist())
         assert w2 == w1 and not (w2 & w0)
         assert t.members.slot_readers[1][0] is not None  # the slot's read position, handed to the joiner
         row = t.outer_step(4)

@@ -169,14 +169,14 @@ class Replica:
     """Parameters, a ``FragmentSync`` and the seeded inner steps of one replica."""
 
     def __init__(self, m: int, driver: MemoryDriver, schedule: SyncSchedule, alpha: float, fmt: str = "none",
-                 error_feedback: bool = False, trace: bool = False, mirror: bool = False):
+                 error_feedback: bool = False, mirror: bool = False):
         self.m = m
         self.params = _initial()
         self.resets = 0
         # mirror: the device-globals path (core.staging) with CPU "device" copies
         staging = DeviceStaging("cpu", mirror=True) if mirror else None
         self.sync = FragmentSync(self.params, FRAGMENTS, alpha=alpha, batch=BATCH, seq_len=SEQ, world_size=WORLD,
-                                 trace=trace, on_reset=self._on_reset)
+                                 on_reset=self._on_reset)
         self.transport = MemoryTransport(driver, m, fmt, error_feedback, staging)
         self.transport.buffers = self.sync.buffers
         self.sync.attach(schedule, self.transport, staging)  # as the worker: attached, then the globals loaded
@@ -205,11 +205,11 @@ def _lockstep(replicas: list[Replica], start: int, end: int) -> None:
                 fut.result()
 
 
-def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, trace=False, M=2, H=12,
+def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_feedback=False, M=2, H=12,
            mirror=False, closing="average"):
     schedule = SyncSchedule(H=H, num_fragments=len(FRAGMENTS), overlap=tau, total_steps=T, closing=closing)
     driver = MemoryDriver([flatten(_initial(), f) for f in FRAGMENTS], M, fmt, fail)
-    return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, trace, mirror) for m in range(M)]
+    return schedule, driver, [Replica(m, driver, schedule, alpha, fmt, error_feedback, mirror) for m in range(M)]
 
 
 def _device_copies_current(r: Replica) -> bool:
