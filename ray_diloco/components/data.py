@@ -231,112 +231,137 @@ def cache_key(cfg: DataConfig, path: Path, tokenizer: Any = None, file_hash: str
 
 
 def cached_corpus(cfg: DataConfig, path: Path, tokenizer: Any = None, address: str | None = None) -> Corpus:
-    """The corpus of the local file ``path`` through the cache: the entry ``cache_key`` is a token
-    store (the tail ``val_fraction`` of the stream as its val split, window order ``legacy``)
-    written the first time, opened and loaded into memory every later time (no tokenising). Its
-    splits are in-memory :class:`~ray_diloco.components.token_store.TokenSplit` s read by the same
-    :class:`ShardReader`; the tokens equal those of tokenising in the process, so the fingerprint
-    (sha256 of the int32 streams) and a run's loss are those of before the cache.
-
-    A file bigger than ``data.in_process_bytes`` is tokenised by ``prepare``'s pipeline instead
-    (:func:`_prepare_entry`: Ray Data on the cluster at ``address``, or a Ray of its own), into an
-    entry of the same format and tail split, in that pipeline's window order (``feistel``) and
-    reading rules (a text file a row per line; ``char``/``bpe`` from a sample), keyed apart.
-
-    Entries are written under a temporary name and renamed whole (two runs starting together:
-    the first rename wins, the other uses it). A damaged entry is rebuilt; a cache that cannot be
-    written (read-only, disk full) prints one note and the corpus stays in memory.
+    """The corpus of the local file ``path`` through the cache (:class:`CacheEntry`): loaded from
+    its entry when one was written before (no tokenising), else tokenised, written and loaded.
+    The tokens equal those of tokenising in the process, so the fingerprint (sha256 of the int32
+    streams) and a run's loss are those of before the cache. A slow (Python) tokenizer has no
+    JSON to key an entry by: its corpus is tokenised in the process.
 
     Raises:
         DataError: as :func:`load_texts`, :func:`build_tokenizer`, or a corpus too small for ``seq_len``.
     """
-    import shutil
-
-    from ray_diloco.components.storage import publish_dir, storage_reason
-    from ray_diloco.components.token_store import TokenStore, write_store
-
     if tokenizer is not None and not hasattr(tokenizer, "backend_tokenizer"):
-        return _tokenized(cfg, tokenizer)  # a slow (Python) tokenizer: no JSON to key the cache by
-    file_hash = file_sha256(path)  # once: a resume's two keys (its tokenizer's, the recipe's) share it
-    key = cache_key(cfg, path, tokenizer, file_hash)
-    root = cache_root(cfg)
-    entry = root / key
-    if tokenizer is not None and not (entry / "manifest.json").is_file() and cfg.tokenizer in ("char", "bpe"):
-        recipe = root / cache_key(
-            cfg, path, file_hash=file_hash
-        )  # a resume: the entry its first run wrote, when the tokenizer is that one
-        if (recipe / "manifest.json").is_file():
-            try:
-                store = TokenStore(str(recipe), "data.cache_dir")
-                if store.tokenizer().backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str():
-                    entry = recipe
-            except DataError:
-                pass
-    if (entry / "manifest.json").is_file():
+        return _tokenized(cfg, tokenizer)
+    entry = CacheEntry(cfg, path, tokenizer)
+    corpus = entry.load()
+    return corpus if corpus is not None else entry.build(address)
+
+
+class CacheEntry:
+    """One entry of the data cache: the token store of a local file under ``cache_root``, named by
+    :func:`cache_key` (the file's bytes, the tokenizer, the recipe). Its splits are in-memory
+    :class:`~ray_diloco.components.token_store.TokenSplit` s read by the same :class:`ShardReader`.
+
+    A file up to ``data.in_process_bytes`` is tokenised in this process, its tail ``val_fraction``
+    held out, window order ``legacy``; a bigger one by ``prepare``'s pipeline (Ray Data on the
+    cluster at ``address``, or a Ray of its own), in that pipeline's window order (``feistel``)
+    and reading rules (a text file a row per line; ``char``/``bpe`` from a sample), keyed apart.
+    An entry is written under a temporary name and renamed whole (:meth:`publish`: two runs
+    starting together, the first rename wins and the other uses it); a damaged one is rebuilt.
+
+    Args:
+        cfg: the run's ``data`` section. path: the local file. tokenizer: a resume's (or None:
+            built from ``cfg``).
+    """
+
+    def __init__(self, cfg: DataConfig, path: Path, tokenizer: Any = None):
+        self.cfg, self.path, self.tokenizer = cfg, path, tokenizer
+        file_hash = file_sha256(path)  # once: a resume's two keys (its tokenizer's, the recipe's) share it
+        self.root = cache_root(cfg)
+        self.key = cache_key(cfg, path, tokenizer, file_hash)
+        self.dir = self.root / self.key
+        if tokenizer is not None and not self._written() and cfg.tokenizer in ("char", "bpe"):
+            recipe = self.root / cache_key(cfg, path, file_hash=file_hash)  # the entry a resume's first run wrote
+            if (recipe / "manifest.json").is_file() and self._same_tokenizer(recipe):
+                self.dir = recipe
+
+    def _written(self) -> bool:
+        return (self.dir / "manifest.json").is_file()
+
+    def _same_tokenizer(self, entry: Path) -> bool:
+        from ray_diloco.components.token_store import TokenStore
+
         try:
-            return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
-        except DataError:  # damaged (a file removed or changed): rebuilt below
-            shutil.rmtree(entry, ignore_errors=True)
-    if by_ray_data(cfg, path):
-        return _ray_data_entry(cfg, path, tokenizer, entry, address)
-    ids, tok = _stream(cfg, tokenizer)
-    tmp: Path | None = None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
-        tmp = _entry_dir(root, key)
-        meta = {
-            "split": {"method": "tail", "val_fraction": cfg.val_fraction},
-            "order": "legacy",
-            "source": {"path": str(path), "cache_key": key},
-        }
-        write_store(str(tmp), tok, ids, None, meta, vocab_size=len(tok), tail=cfg.val_fraction)
-        publish_dir(tmp, entry, marker="manifest.json")  # another run's finished entry may win
-        tmp = None
-        return _from_cache(TokenStore(str(entry), "data.cache_dir"), tok)
-    except (OSError, DataError) as e:
-        logger.warning(
-            f"note: data.cache_dir = {str(root.parent)!r}: cannot cache the tokenised {path.name} "
-            f"({storage_reason(e)}); it stays in memory"
-        )
-        return _in_memory(ids, tok, cfg.val_fraction)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            tok = TokenStore(str(entry), "data.cache_dir").tokenizer()
+        except DataError:
+            return False
+        return bool(tok.backend_tokenizer.to_str() == self.tokenizer.backend_tokenizer.to_str())
 
+    def load(self) -> Corpus | None:
+        """The entry's corpus, or None when it is not written yet or was damaged (a file removed or
+        changed: removed, to be rebuilt)."""
+        import shutil
 
-def _ray_data_entry(cfg: DataConfig, path: Path, tokenizer: Any, entry: Path, address: str | None) -> Corpus:
-    """The cache ``entry`` of the big file ``path`` written by :func:`_prepare_entry` (under a
-    temporary name, published whole) and loaded.
+        from ray_diloco.components.token_store import TokenStore
 
-    Raises:
-        DataError: naming ``data.path`` and ``data.cache_dir``: the prepare or the write failed."""
-    import shutil
+        if not self._written():
+            return None
+        try:
+            return _from_cache(TokenStore(str(self.dir), "data.cache_dir"), self.tokenizer)
+        except DataError:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return None
 
-    from ray_diloco.components.storage import publish_dir, storage_reason
-    from ray_diloco.components.token_store import TokenStore
+    def publish(self, write: Any) -> None:
+        """``write(tmp)`` into a new temporary directory next to the entry, then renamed to it
+        whole (another run's finished entry may win); the temporary directory never stays.
 
-    root, key = entry.parent, entry.name
-    work: Path | None = None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
-        work = _entry_dir(root, key)
-        _prepare_entry(cfg, path, tokenizer, work, address)
-        publish_dir(work, entry, marker="manifest.json")  # another run's finished entry may win
-    except OSError as e:  # no fallback to memory: a file this big is not tokenised in process
-        raise DataError(f"data.cache_dir = {str(root.parent)!r}: cannot hold the tokenised {path.name} "
-                        f"({storage_reason(e)}); give a writable directory") from None  # fmt: skip
-    except (DataError, ClusterError) as e:  # prepare's option names are the run's fields here
-        why = str(e)
-        for option, name in (("--text-field", "data.text_field"), ("--tokenizer", "data.tokenizer"),
-                             ("--address", "run.address"), ("--out", "data.cache_dir")):  # fmt: skip
-            why = why.replace(option, name)
-        raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {why}") from None
-    finally:
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)  # gone once published
-    return _from_cache(TokenStore(str(entry), "data.cache_dir"), tokenizer)
+        Raises:
+            OSError: the cache cannot be written. What ``write`` raises."""
+        import shutil
+
+        from ray_diloco.components.storage import publish_dir
+
+        work: Path | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(self.root)
+            work = _entry_dir(self.root, self.key)
+            write(work)
+            publish_dir(work, self.dir, marker="manifest.json")
+            work = None
+        finally:
+            if work is not None:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def build(self, address: str | None = None) -> Corpus:
+        """Tokenise the file into the entry (:meth:`publish`) and load it. In process, a cache that
+        cannot be written (read-only, disk full) prints one note and the corpus stays in memory.
+
+        Raises:
+            DataError, ClusterError: the file cannot be tokenised; with Ray Data (no fallback to
+                memory: a file this big is not tokenised in process) also a cache that cannot be
+                written, naming ``data.cache_dir``."""
+        from ray_diloco.components.storage import storage_reason
+        from ray_diloco.components.token_store import TokenStore, write_store
+
+        cfg, path = self.cfg, self.path
+        if by_ray_data(cfg, path):
+            try:
+                self.publish(lambda work: _prepare_entry(cfg, path, self.tokenizer, work, address))
+            except OSError as e:
+                raise DataError(f"data.cache_dir = {str(self.root.parent)!r}: cannot hold the tokenised {path.name} "
+                                f"({storage_reason(e)}); give a writable directory") from None  # fmt: skip
+            except (DataError, ClusterError) as e:  # prepare's option names are the run's fields here
+                why = str(e)
+                for option, name in (("--text-field", "data.text_field"), ("--tokenizer", "data.tokenizer"),
+                                     ("--address", "run.address"), ("--out", "data.cache_dir")):  # fmt: skip
+                    why = why.replace(option, name)
+                raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {why}") from None
+            return _from_cache(TokenStore(str(self.dir), "data.cache_dir"), self.tokenizer)
+        ids, tok = _stream(cfg, self.tokenizer)
+        meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
+                "source": {"path": str(path), "cache_key": self.key}}  # fmt: skip
+        try:
+            self.publish(lambda work: write_store(str(work), tok, ids, None, meta, vocab_size=len(tok),
+                                                  tail=cfg.val_fraction))  # fmt: skip
+            return _from_cache(TokenStore(str(self.dir), "data.cache_dir"), tok)
+        except (OSError, DataError) as e:
+            logger.warning(
+                f"note: data.cache_dir = {str(self.root.parent)!r}: cannot cache the tokenised {path.name} "
+                f"({storage_reason(e)}); it stays in memory"
+            )
+            return _in_memory(ids, tok, cfg.val_fraction)
 
 
 def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, address: str | None) -> None:
