@@ -1,10 +1,11 @@
 """Bit-for-bit fingerprints of short training runs: does a change keep what every run computes?
 
-Runs four variants of the bundled Tiny Shakespeare run on one fixed seed with
+Runs five variants of the bundled Tiny Shakespeare run on one fixed seed with
 ``run.log_hashes`` and ``run.deterministic`` (``tiny`` model, M=2, H=12, 48 inner steps, one Ray
 session for all):
 
-    ddp              2 replicas x 1 worker (DDP), one fragment, fp32
+    ddp              2 replicas x 1 worker, one fragment, fp32
+    ddp_2x2          2 replicas x 2 workers (DDP)
     fsdp_2x2         2 replicas x 2 workers, diloco.sharding=fsdp
     streaming_fp4    3 fragments, overlap 2 (tau), fp4_e3m0 both ways
     outer_shards_2   the outer side in 2 shards (diloco.outer_shards=2), int8
@@ -37,6 +38,7 @@ COMMON = ["diloco.replicas=2", "diloco.H=12", "run.steps=48", "inner.warmup_step
 
 VARIANTS: dict[str, list[str]] = {
     "ddp": [],
+    "ddp_2x2": ["diloco.workers_per_replica=2"],
     "fsdp_2x2": ["diloco.workers_per_replica=2", "diloco.sharding=fsdp"],
     "streaming_fp4": ["streaming.fragments=3", "streaming.overlap_steps=2", "streaming.quantization=fp4_e3m0"],
     "outer_shards_2": ["diloco.outer_shards=2", "streaming.fragments=2", "streaming.quantization=int8"],

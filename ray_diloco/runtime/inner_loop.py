@@ -177,15 +177,16 @@ class InnerLoop:
     """The inner steps and the evaluation of one worker (see the module docstring).
 
     Args:
-        parts: the worker's parts (read at every call: the actor may replace them).
+        parts: the worker's parts (read at every call). group: the replica's process group is
+            joined. compiling: the model's blocks are compiled and no step has run yet.
         z_loss: the weight of the z-loss term (the model shape's ``z_loss``; 0: none).
     """
 
-    def __init__(self, parts: WorkerParts, z_loss: float):
+    def __init__(self, parts: WorkerParts, z_loss: float, group: bool = False, compiling: bool = False):
         self.p, self.z_loss = parts, z_loss
         self.autocast = run_autocast(parts.cfg.run.precision, parts.device)  # bf16: autocast on this device
-        self.group = False  # set by the actor once it joined the replica's process group
-        self.compiling = False  # the model's blocks are compiled and its first step has not run
+        self.group = group  # the replica's process group is joined (False once the actor left it)
+        self.compiling = compiling  # the model's blocks are compiled and its first step has not run
         # the DP baseline under WAN emulation: bytes and emulated seconds of its all-reduces so far
         self.dp_bytes, self.dp_delay_s = 0, 0.0
 

@@ -32,8 +32,6 @@ from ray_diloco.components.threads import worker_threads
 from ray_diloco.config import load_config
 from ray_diloco.core.fragments import Fragment, ParamSpec, fragment_plan, param_specs, plan_fragments
 from ray_diloco.core.schedules import SyncSchedule
-from ray_diloco.core.shards import rank_fragment
-from ray_diloco.core.staging import DeviceStaging
 from ray_diloco.core.wire import link_delay_s
 from ray_diloco.errors import ClusterError, ConfigError
 from ray_diloco.models.transformer import (
@@ -41,10 +39,10 @@ from ray_diloco.models.transformer import (
     build_model,
     compile_blocks,
     compile_wanted,
-    make_inner_optimizer,
     resolve_model_shape,
 )
-from ray_diloco.runtime.inner_loop import InnerLoop, WorkerParts, WorkerState
+from ray_diloco.runtime.inner_loop import InnerLoop, WorkerState
+from ray_diloco.runtime.layout import ReplicaLayout
 from ray_diloco.runtime.link import Link, fetch_global
 
 #: The worker actor's concurrency group for calls that must be answered while ``train`` runs
@@ -170,13 +168,17 @@ class ReplicaWorker:
             fragments: list[Fragment] = fragment_plan(cfg, specs)
         except ValueError:  # reported by the trainer (ConfigError) before any training
             fragments = plan_fragments(specs, 1)
-        self.parts = WorkerParts(
-            cfg, replica, rank, world_size, shard, num_shards, device, model, specs, fragments,
-            fsdp=cfg.exchange_units > 1 and world_size > 1, params=dict(model.named_parameters()),
-            sync_fragments=fragments, optimizer=make_inner_optimizer(model, cfg), net=model,
-        )  # fmt: skip
-        self.parts.new_sync()
-        self.loop = InnerLoop(self.parts, float(resolve_model_shape(cfg.model, vocab_size)["z_loss"]))
+        self.layout = ReplicaLayout.of(cfg, world_size, rank, device)
+        self.z_loss = float(resolve_model_shape(cfg.model, vocab_size)["z_loss"])
+        self._build((replica, shard, num_shards), device, model, specs, fragments, wrap=False, group=False)
+
+    def _build(self, ids: tuple[int, int, int], device: torch.device, model: torch.nn.Module,
+               specs: list[ParamSpec], fragments: list[Fragment], wrap: bool, group: bool,
+               compiling: bool = False) -> None:  # fmt: skip
+        """This worker's parts on its layout (``ReplicaLayout.parts``), its inner loop and state,
+        all made at once (:meth:`setup` makes them again on the sharded or DDP-wrapped model)."""
+        self.parts = self.layout.parts(self.cfg, ids, device, model, specs, fragments, wrap)
+        self.loop = InnerLoop(self.parts, self.z_loss, group=group, compiling=compiling)
         self.state = WorkerState(self.parts)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -194,37 +196,25 @@ class ReplicaWorker:
         if self.problem is not None:
             raise self.problem
         p = self.parts
+        group = False
         if p.world_size > 1:
             assert master is not None  # rank 0's TCPStore address: the launcher passes it to every rank
-            self.loop.group = _init_group(master, p.rank, p.world_size, p.device, self.cfg.diloco.pg_timeout_s)
-        if compile_wanted(self.cfg.run.compile, p.device):  # blocks in place, before DDP / FSDP2 wrap them
+            group = _init_group(master, p.rank, p.world_size, p.device, self.cfg.diloco.pg_timeout_s)
+        compiling = compile_wanted(self.cfg.run.compile, p.device)
+        if compiling:  # blocks in place, before DDP / FSDP2 wrap them
             compile_blocks(p.model)
-            self.loop.compiling = True
-        if p.fsdp:
-            self._shard()
-        elif p.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            p.net = DDP(p.model, device_ids=[0] if p.device.type == "cuda" else None)
-            net = self.cfg.network
-            if self.allreduce_emulation and (net.bandwidth_gbps or net.latency_ms):
-                p.net.register_comm_hook(None, _dp_emulation_hook(self.loop))
+        self._build((p.replica, p.shard, p.num_shards), p.device, p.model, p.specs, p.fragments, True, group, compiling)
+        p = self.parts
+        net = self.cfg.network
+        if (
+            isinstance(p.net, torch.nn.parallel.DistributedDataParallel)
+            and self.allreduce_emulation
+            and (net.bandwidth_gbps or net.latency_ms)
+        ):
+            p.net.register_comm_hook(None, _dp_emulation_hook(self.loop))
         p.open_reader(train_tokens)
         p.val_tokens = val_tokens
         return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "device": str(p.device)}
-
-    def _shard(self) -> None:
-        """``diloco.sharding: fsdp``: FSDP2 over the replica's group (``runtime.fsdp``); this
-        worker's parameters, fragments, inner optimiser and sync become its rows' (each rank
-        sends its own pseudo-gradient part as exchange unit ``f * W + rank``)."""
-        from ray_diloco.runtime.fsdp import local_params, shard_model
-
-        p = self.parts
-        shard_model(p.model, p.world_size, p.device, self.cfg.run.precision == "bf16")
-        p.params = local_params(p.model)
-        p.sync_fragments = [rank_fragment(f, p.world_size, p.rank) for f in p.fragments]
-        p.optimizer = make_inner_optimizer(p.model, self.cfg)
-        p.new_sync()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def thread_report(self) -> dict[str, Any]:
@@ -252,10 +242,10 @@ class ReplicaWorker:
         p, s, n, k = self.parts, self.cfg.streaming, self.cfg.network, self.cfg.diloco.outer_shards
         # a GPU worker keeps device globals (core.staging): its copies to and from the host leave
         # the training stream
-        staging = DeviceStaging(p.device) if p.device.type == "cuda" and s.device_globals else None
+        staging = self.layout.staging(p.device)
         p.sync.attach(schedule, Link(driver, p.replica, p.rank, s.quantization, s.error_feedback,
                                      n.bandwidth_gbps, n.latency_ms, k, p.sync.buffers,
-                                     units=p.world_size if p.fsdp else 1, staging=staging), staging)  # fmt: skip
+                                     units=self.layout.units, staging=staging), staging)  # fmt: skip
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
@@ -270,7 +260,7 @@ class ReplicaWorker:
     def load_global(self, fragment: int, global_p: list[Any], version: int = 0) -> None:
         """:meth:`WorkerState.load_global` of exchange unit ``fragment`` from the K outer shards'
         slices (object refs, as the driver's ``global_refs`` gives them)."""
-        if not self.parts.fsdp or fragment % self.parts.world_size == self.parts.rank:
+        if not self.layout.sharded or fragment % self.layout.world_size == self.layout.rank:
             self.state.load_global(fragment, fetch_global(global_p), version)
 
     def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,
