@@ -55,21 +55,21 @@ class ReplicaLayout:
         return DeviceStaging(device) if self.device_globals else None
 
     def parts(self, cfg: Any, ids: tuple[int, int, int], device: torch.device, model: torch.nn.Module,
-              specs: list[ParamSpec], fragments: list[Fragment], wrap: bool) -> WorkerParts:  # fmt: skip
-        """The worker's parts on this layout. ``ids``: (replica, data shard, number of shards).
-        ``wrap``: the replica's process group exists (the worker's ``setup``): the model is
-        sharded with FSDP2 (this rank's rows of its parameters and fragments) or wrapped in DDP;
-        without it (the worker just built) the model is used as it is."""
+              specs: list[ParamSpec], fragments: list[Fragment]) -> WorkerParts:  # fmt: skip
+        """The worker's parts on this layout, once the replica's process group exists (the worker's
+        ``setup``): the model sharded with FSDP2 (this rank's rows of its parameters and
+        fragments), wrapped in DDP, or, alone in its replica, used as it is. ``ids``: (replica,
+        data shard, number of shards)."""
         replica, shard, num_shards = ids
         net: torch.nn.Module = model
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
         mine = fragments
-        if wrap and self.sharded:
+        if self.sharded:
             from ray_diloco.runtime.fsdp import local_params, shard_model
 
             shard_model(model, self.world_size, device, cfg.run.precision == "bf16")
             params, mine = local_params(model), [rank_fragment(f, self.world_size, self.rank) for f in fragments]
-        elif wrap and self.world_size > 1:
+        elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             net = DDP(model, device_ids=[0] if device.type == "cuda" else None)

@@ -162,24 +162,17 @@ class ReplicaWorker:
         self.threads.apply()
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
-        model, device, self.problem = worker_model(cfg, vocab_size, model_fn)
-        specs = param_specs(model)
+        # the model is built here; its parts, inner loop and state once setup has joined the
+        # replica's process group (FSDP2 and DDP need it): nothing is built twice
+        self.model, self.device, self.problem = worker_model(cfg, vocab_size, model_fn)
+        self.specs = param_specs(self.model)
         try:
-            fragments: list[Fragment] = fragment_plan(cfg, specs)
+            self.fragments: list[Fragment] = fragment_plan(cfg, self.specs)
         except ValueError:  # reported by the trainer (ConfigError) before any training
-            fragments = plan_fragments(specs, 1)
-        self.layout = ReplicaLayout.of(cfg, world_size, rank, device)
+            self.fragments = plan_fragments(self.specs, 1)
+        self.ids = (replica, shard, num_shards)
+        self.layout = ReplicaLayout.of(cfg, world_size, rank, self.device)
         self.z_loss = float(resolve_model_shape(cfg.model, vocab_size)["z_loss"])
-        self._build((replica, shard, num_shards), device, model, specs, fragments, wrap=False, group=False)
-
-    def _build(self, ids: tuple[int, int, int], device: torch.device, model: torch.nn.Module,
-               specs: list[ParamSpec], fragments: list[Fragment], wrap: bool, group: bool,
-               compiling: bool = False) -> None:  # fmt: skip
-        """This worker's parts on its layout (``ReplicaLayout.parts``), its inner loop and state,
-        all made at once (:meth:`setup` makes them again on the sharded or DDP-wrapped model)."""
-        self.parts = self.layout.parts(self.cfg, ids, device, model, specs, fragments, wrap)
-        self.loop = InnerLoop(self.parts, self.z_loss, group=group, compiling=compiling)
-        self.state = WorkerState(self.parts)
 
     # -- set-up ----------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
@@ -195,16 +188,17 @@ class ReplicaWorker:
         ``ConfigError`` when the model cannot checkpoint activations."""
         if self.problem is not None:
             raise self.problem
-        p = self.parts
+        lay, device = self.layout, self.device
         group = False
-        if p.world_size > 1:
+        if lay.world_size > 1:
             assert master is not None  # rank 0's TCPStore address: the launcher passes it to every rank
-            group = _init_group(master, p.rank, p.world_size, p.device, self.cfg.diloco.pg_timeout_s)
-        compiling = compile_wanted(self.cfg.run.compile, p.device)
+            group = _init_group(master, lay.rank, lay.world_size, device, self.cfg.diloco.pg_timeout_s)
+        compiling = compile_wanted(self.cfg.run.compile, device)
         if compiling:  # blocks in place, before DDP / FSDP2 wrap them
-            compile_blocks(p.model)
-        self._build((p.replica, p.shard, p.num_shards), p.device, p.model, p.specs, p.fragments, True, group, compiling)
-        p = self.parts
+            compile_blocks(self.model)
+        p = self.parts = lay.parts(self.cfg, self.ids, device, self.model, self.specs, self.fragments)
+        self.loop = InnerLoop(p, self.z_loss, group=group, compiling=compiling)
+        self.state = WorkerState(p)
         net = self.cfg.network
         if (
             isinstance(p.net, torch.nn.parallel.DistributedDataParallel)
@@ -229,11 +223,11 @@ class ReplicaWorker:
 
     def param_specs(self) -> list[ParamSpec]:
         """Names and shapes of the trainable parameters, in exchange order."""
-        return self.parts.specs
+        return self.specs
 
     def num_fragments(self) -> int:
         """Number of fragments the parameters are exchanged in (1: plain DiLoCo)."""
-        return len(self.parts.fragments)
+        return len(self.fragments)
 
     # -- outer-step exchange (core.sync.FragmentSync) ---------------------------------------
     def attach(self, driver: Any, schedule: SyncSchedule) -> None:
@@ -346,6 +340,8 @@ class ReplicaWorker:
 
     def shutdown(self) -> None:
         """Stop the link thread and leave the replica's process group."""
+        if not hasattr(self, "parts"):  # never set up: no link, no group
+            return
         self.parts.sync.close()
         if self.loop.group:
             import torch.distributed as dist
