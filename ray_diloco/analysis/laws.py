@@ -21,17 +21,15 @@ rows (``dp`` is accepted).
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ray_diloco.analysis.forms import FORMS, FormFit, fit_forms
 from ray_diloco.errors import DataError
 from ray_diloco.log import error_line
 
@@ -50,7 +48,6 @@ ALIASES = {
     "batch": "global_batch",
     "lr": "inner_lr",
 }
-HUBER_DELTA = 1e-3  # on log L (Hoffmann et al.'s choice, kept by the DiLoCo scaling-law paper)
 
 
 @dataclass(frozen=True)
@@ -81,109 +78,6 @@ class JointLaw:
 
     def to_dict(self) -> dict[str, float]:
         return {"A": self.A, "alpha": self.alpha, "beta": self.beta}
-
-
-# -- the paper's published numbers (arXiv 2503.09799, section 3) -----------------------------------
-PAPER_SIZES = {"35M": 35e6, "90M": 90e6, "180M": 180e6, "335M": 335e6, "550M": 550e6, "1.3B": 1.3e9, "2.4B": 2.4e9}
-PAPER_LOSSES = {  # Scaling Laws for DiLoCo Table 4: C4 eval loss per model size; 0 = DP
-    0: (3.485, 3.167, 2.950, 2.784, 2.653, 2.460, 2.326),
-    1: (3.482, 3.162, 2.943, 2.777, 2.645, 2.451, 2.317),
-    2: (3.508, 3.182, 2.957, 2.788, 2.657, 2.464, 2.323),
-    4: (3.554, 3.213, 2.981, 2.808, 2.673, 2.472, 2.332),
-    8: (3.621, 3.265, 3.019, 2.841, 2.698, 2.493, 2.351),
-}
-PAPER_INDEPENDENT = {  # published independent laws (A, alpha): loss, inner lr, batch (in 2048-token sequences)
-    "DP": {"loss": (18.129, -0.0953), "inner_lr": (16319.2, -0.819), "batch": (0.22592, 0.281)},
-    "M=1": {"loss": (18.363, -0.0961), "inner_lr": (74620.6, -0.945), "batch": (0.01361, 0.435)},
-    "M=2": {"loss": (18.768, -0.0969), "inner_lr": (3978.82, -0.780), "batch": (0.00769, 0.479)},
-    "M=4": {"loss": (19.762, -0.0992), "inner_lr": (4512.99, -0.789), "batch": (0.00535, 0.510)},
-    "M=8": {"loss": (21.051, -0.1018), "inner_lr": (618986, -1.102), "batch": (0.01859, 0.455)},
-}
-PAPER_JOINT = {
-    "loss": (19.226, -0.0985, 0.0116),
-    "inner_lr": (22256, -0.8827, 0.2929),
-    "batch": (0.00709, 0.4695, 0.3399),
-}
-PAPER_FORM_RESIDUALS = {
-    "A*N^alpha*M^beta": 0.0044,
-    "A*N^alpha*M^beta+C": 0.0035,
-    "A*N^(alpha+beta*M)+C": 0.0025,
-    "A*N^alpha+B*M^beta+C": 0.0043,
-}  # 2.4B held out
-
-
-def paper_table() -> Any:
-    """The published eval losses (:data:`PAPER_LOSSES`) as a sweep table: one row per (M, N)
-    (inner lr, batch, H and outer lr are not published per run: NaN, H = 30)."""
-    import pandas as pd
-
-    return pd.DataFrame(
-        [
-            {
-                "N": n,
-                "M": m,
-                "H": 30,
-                "inner_lr": np.nan,
-                "outer_lr": np.nan,
-                "global_batch": np.nan,
-                "tokens": 20 * n,
-                "eval_loss": loss,
-            }
-            for m, losses in PAPER_LOSSES.items()
-            for n, loss in zip(PAPER_SIZES.values(), losses)
-        ]
-    )
-
-
-PAPER_FITS_FILE = Path(__file__).parents[1] / "data" / "paper_fits.json"  # paper_fits(cached=False), saved
-
-
-def paper_fits(starts: int = 8, cached: bool = True) -> dict[str, Any]:
-    """Fits in the format of :func:`fit_all` for ``ray-diloco predict --fits paper``: the loss laws
-    and parametric forms fitted here on the published losses, the inner-lr and batch laws as
-    published (batch in 2048-token sequences). No outer lr (the paper gives no per-(M, H) table).
-
-    ``cached`` reads them from :data:`PAPER_FITS_FILE` (shipped; a test checks it equals a fresh
-    fit), which saves the seconds of the 4 x 8 form fits. Each call returns its own copy: a caller
-    may change it without changing what the next call returns."""
-    return copy.deepcopy(_paper_fits(starts, cached))
-
-
-@functools.lru_cache(maxsize=4)
-def _paper_fits(starts: int, cached: bool) -> dict[str, Any]:
-    if cached and PAPER_FITS_FILE.is_file():
-        import json
-
-        return json.loads(PAPER_FITS_FILE.read_text())
-    df = paper_table()
-    best = df.assign(optimal_batch=np.nan)
-    out: dict[str, Any] = {
-        "sizes": sorted(PAPER_SIZES.values()),
-        "replicas": sorted(PAPER_LOSSES),
-        "independent": {},
-        "outer_lr": [],
-        "best_rows": best.to_dict(orient="records"),
-        "source": "Scaling Laws for DiLoCo (published losses; published inner lr and batch laws)",
-        "batch_unit": "sequences of 2048 tokens",
-    }
-    for m, g in df.groupby("M"):
-        name = algorithm_name(m)
-        loss = fit_power_law(g["N"], g["eval_loss"]).to_dict()
-        out["independent"][name] = {
-            "loss": loss,
-            **{
-                q: {"A": a, "alpha": al, "r2": float("nan")}
-                for q, (a, al) in PAPER_INDEPENDENT[name].items()
-                if q != "loss"
-            },
-        }
-    diloco = df[df["M"] >= 1]
-    out["joint"] = {
-        "loss": fit_joint(diloco["N"], diloco["M"], diloco["eval_loss"]).to_dict(),
-        **{q: dict(zip(("A", "alpha", "beta"), v)) for q, v in PAPER_JOINT.items() if q != "loss"},
-    }
-    out["forms"], out["best_form"] = fit_forms(diloco, starts)
-    return out
 
 
 # -- input ------------------------------------------------------------------------------------
@@ -371,197 +265,6 @@ def fit_joint(n: Any, m: Any, y: Any) -> JointLaw:
     x = np.column_stack([np.ones_like(n), np.log(n), np.log(m)])
     c, *_ = lstsq(x, np.log(y))
     return JointLaw(float(math.exp(c[0])), float(c[1]), float(c[2]))
-
-
-# -- parametric loss forms L(N, M) ---------------------------------------------------------------
-@dataclass(frozen=True)
-class Form:
-    """A parametric loss form. ``log_loss(theta, n, m)`` returns log L for N in parameters and M
-    in replicas. ``theta`` holds log A' (and log B, log C) so that the scales stay positive, where
-    A' = A * N0^alpha is the scale at N = :data:`N0`: the fit works with log(N / N0) (well
-    conditioned) while the family is exactly the paper's, N in parameters. That matters for
-    ``A*N^(alpha+beta*M)+C``: its M-dependence N^(beta*M) changes with the unit of N, so it is
-    written as A' (N/N0)^alpha (N/N0)^(beta*M) N0^(beta*M), which is A N^(alpha+beta*M).
-
-    Every form is a sum of terms (A N^alpha M^beta, C, ...) whose logs are linear in ``theta``:
-    ``terms(n, m)`` returns ``X`` ``[terms, params, points]`` with log term_k = theta . X_k, so
-    log L = logsumexp_k(theta . X_k) and its gradient (the fit's exact Jacobian) is
-    sum_k share_k X_k, share_k = term_k / L."""
-
-    name: str
-    params: tuple[str, ...]
-    terms: Callable[[np.ndarray, np.ndarray], np.ndarray]
-    scale: tuple[tuple[str, float], ...] = ()  # (coefficient, s): theta holds s x the coefficient
-
-    def log_loss(self, theta: np.ndarray, n: np.ndarray, m: np.ndarray) -> np.ndarray:
-        """log L at each (n, m)."""
-        return self.log_loss_and_jacobian(theta, n, m)[0]
-
-    def log_loss_and_jacobian(self, theta: np.ndarray, n: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """log L (the shape of ``n`` and ``m`` broadcast) and d log L / d theta ``[params, points]``.
-
-        Raises:
-            ValueError: ``theta`` does not hold one value per parameter.
-        """
-        theta = np.asarray(theta, dtype=float)
-        if theta.shape != (len(self.params),):
-            raise ValueError(f"{self.name}: theta has shape {theta.shape}, expected ({len(self.params)},)")
-        n, m = np.broadcast_arrays(np.asarray(n, dtype=float), np.asarray(m, dtype=float))
-        log_l, jac = _log_sum_of_terms(theta, self.terms(n.reshape(-1), m.reshape(-1)))
-        return log_l.reshape(n.shape), jac
-
-    def coefficients(self, theta: np.ndarray) -> dict[str, float]:
-        """The coefficients for N in parameters (the paper's convention: A = A' / N0^alpha)."""
-        c = {k: float(v) for k, v in zip(self.params, theta)}
-        for k, s in self.scale:
-            c[k] /= s
-        for k in ("A", "B", "C"):
-            if k in c:
-                c[k] = math.exp(c[k] - (c["alpha"] * math.log(N0) if k == "A" else 0.0))
-        return c
-
-
-N0 = 1e9  # the fits work with log(N / N0), N0 = 1B parameters: better conditioned than raw N
-LOG_N0 = math.log(N0)
-
-
-def _log_sum_of_terms(theta: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """log sum_k exp(theta . X_k) ``[points]`` and its gradient ``[params, points]`` for ``X``
-    ``[terms, params, points]``."""
-    z = np.einsum("p,kpi->ki", theta, x)
-    top = z.max(axis=0)
-    e = np.exp(z - top)
-    total = e.sum(axis=0)
-    return top + np.log(total), np.einsum("ki,kpi->pi", e / total, x)
-
-
-def _terms(
-    *rows: Callable[[np.ndarray, np.ndarray, np.ndarray], list[Any]],
-) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """``terms`` of a :class:`Form` from one function per term: ``(one, x, m) -> [d log term /
-    d theta_j for each j]`` with x = log(N / N0) and ``one`` a vector of ones."""
-
-    def build(n: np.ndarray, m: np.ndarray) -> np.ndarray:
-        x, one = np.log(n / N0), np.ones_like(n)
-        return np.stack([np.stack([np.broadcast_to(v, n.shape) for v in row(one, x, m)]) for row in rows])
-
-    return build
-
-
-FORMS = {
-    "A*N^alpha*M^beta": Form("A*N^alpha*M^beta", ("A", "alpha", "beta"), _terms(lambda one, x, m: [one, x, np.log(m)])),
-    "A*N^alpha*M^beta+C": Form(
-        "A*N^alpha*M^beta+C",
-        ("A", "alpha", "beta", "C"),
-        _terms(lambda one, x, m: [one, x, np.log(m), 0.0], lambda one, x, m: [0.0, 0.0, 0.0, one]),
-    ),
-    # beta M log N = (beta log N0) M (1 + log(N/N0) / log N0): theta holds beta log N0 (conditioning)
-    "A*N^(alpha+beta*M)+C": Form(
-        "A*N^(alpha+beta*M)+C",
-        ("A", "alpha", "beta", "C"),
-        _terms(lambda one, x, m: [one, x, m * (1.0 + x / LOG_N0), 0.0], lambda one, x, m: [0.0, 0.0, 0.0, one]),
-        scale=(("beta", LOG_N0),),
-    ),
-    "A*N^alpha+B*M^beta+C": Form(
-        "A*N^alpha+B*M^beta+C",
-        ("A", "alpha", "B", "beta", "C"),
-        _terms(
-            lambda one, x, m: [one, x, 0.0, 0.0, 0.0],
-            lambda one, x, m: [0.0, 0.0, one, np.log(m), 0.0],
-            lambda one, x, m: [0.0, 0.0, 0.0, 0.0, one],
-        ),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class FormFit:
-    """A fitted :class:`Form`: ``theta`` (internal), the coefficients (for N in
-    parameters), and the Huber objective at the optimum."""
-
-    form: str
-    theta: tuple[float, ...]
-    objective: float
-
-    def __call__(self, n: Any, m: Any) -> Any:
-        return np.exp(
-            FORMS[self.form].log_loss(np.asarray(self.theta), np.asarray(n, dtype=float), np.asarray(m, dtype=float))
-        )
-
-    def coefficients(self) -> dict[str, float]:
-        return FORMS[self.form].coefficients(np.asarray(self.theta))
-
-
-def fit_form(form: str, n: Any, m: Any, loss: Any, starts: int = 64, seed: int = 0) -> FormFit:
-    """Fit one of :data:`FORMS` with a Huber loss (delta :data:`HUBER_DELTA`) on log L, by L-BFGS-B
-    (``scipy.optimize.minimize``) from ``starts`` random starting points; the best optimum wins.
-
-    The fit is converged, not just stopped: refits of the paper's table agree to 1e-4 in every
-    coefficient whatever the CPU's last bits of log/exp or the scipy release. L-BFGS-B stops when
-    an iteration lowers ``f`` by less than ``ftol * max(|f|, 1)`` (ftol 2.2e-9), and the plain
-    Huber sum of those 28 losses is about 6e-5: the test was absolute, the fit stopped some 4e-5
-    of ``f`` short, somewhere along the shallow A-C valley of the +C forms, and where it stopped
-    moved with the last bit of numpy's log/exp (its SIMD code differs by CPU) and with scipy:
-    A of ``A*N^alpha*M^beta+C`` by 2.4e-4 between two installs, and as much here when the losses
-    were perturbed by 1e-15. So the optimiser minimises the sum in units of ``HUBER_DELTA**2``
-    (about 1 per point; :attr:`FormFit.objective` stays in the plain unit), with the exact
-    gradient (:meth:`Form.log_loss_and_jacobian`) rather than finite differences.
-
-    Args:
-        n, m, loss: 1-D arrays of the same length (parameters, replicas >= 1, eval loss > 0).
-    """
-    from scipy.optimize import minimize
-
-    f = FORMS[form]
-    n, m, log_l = (np.asarray(v, dtype=float) for v in (n, m, np.log(np.asarray(loss, dtype=float))))
-    unit = HUBER_DELTA**2
-    x = f.terms(n, m)
-
-    def objective(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        pred, jac = _log_sum_of_terms(theta, x)
-        r = pred - log_l
-        small = np.abs(r) <= HUBER_DELTA  # Huber: r^2 / 2 inside delta, delta (|r| - delta / 2) outside
-        value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA)).sum()
-        return float(value) / unit, jac @ np.clip(r, -HUBER_DELTA, HUBER_DELTA) / unit
-
-    rng = np.random.default_rng(seed)
-    best = None
-    for _ in range(starts):
-        theta0 = rng.uniform(-1.0, 1.0, len(f.params))
-        r = minimize(objective, theta0, jac=True, method="L-BFGS-B")
-        if np.isfinite(r.fun) and (best is None or r.fun < best.fun):
-            best = r
-    assert best is not None
-    return FormFit(form, tuple(float(v) for v in best.x), float(best.fun) * unit)
-
-
-def leave_one_size_out(diloco: Any, form: str, starts: int = 64) -> dict[float, float]:
-    """Per model size N: the mean |predicted - measured| loss at N (over its M values) of ``form``
-    fitted on the other sizes (paper section 5: forms compared on held-out sizes)."""
-    out = {}
-    for n in sorted(diloco["N"].unique()):
-        train, held = diloco[diloco["N"] != n], diloco[diloco["N"] == n]
-        fit = fit_form(form, train["N"], train["M"], train["eval_loss"], starts=starts)
-        out[float(n)] = float(np.mean(np.abs(fit(held["N"], held["M"]) - held["eval_loss"])))
-    return out
-
-
-def fit_forms(diloco: Any, starts: int) -> tuple[dict[str, Any], str]:
-    """Every form of :data:`FORMS` fitted on the DiLoCo rows (columns N, M, eval_loss) and scored
-    by :func:`leave_one_size_out`. Returns ``({form: {"coefficients", "theta", "objective",
-    "residual_by_N", "residual"}}, best form by mean residual)``."""
-    forms: dict[str, dict[str, Any]] = {}
-    for name in FORMS:
-        fit = fit_form(name, diloco["N"], diloco["M"], diloco["eval_loss"], starts=starts)
-        loo = leave_one_size_out(diloco, name, starts=starts)
-        forms[name] = {
-            "coefficients": fit.coefficients(),
-            "theta": list(fit.theta),
-            "objective": fit.objective,
-            "residual_by_N": {str(k): v for k, v in loo.items()},
-            "residual": float(np.mean(list(loo.values()))),
-        }
-    return forms, min(forms, key=lambda k: forms[k]["residual"])
 
 
 def optimal_outer_lr(df: Any) -> list[dict[str, Any]]:

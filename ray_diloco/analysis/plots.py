@@ -43,7 +43,8 @@ def plot_fits(fits: dict[str, Any], out_dir: str | Path) -> list[Path]:
     ``residuals.png`` (leave-one-size-out residual per form and held-out size) and
     ``optimal_hparams.png`` (optimal inner lr and global batch vs N with their laws) in
     ``out_dir``. Returns the paths written."""
-    from ray_diloco.analysis.laws import FORMS, PowerLaw, algorithm_name
+    from ray_diloco.analysis.forms import FORMS
+    from ray_diloco.analysis.laws import PowerLaw, algorithm_name
 
     plt = _pyplot()
     out = Path(out_dir)

@@ -13,23 +13,23 @@ import pandas as pd
 import pytest
 from helpers import ROOT, one_error_line, run_main
 
+from ray_diloco.analysis.forms import FORMS, FormFit, fit_form
 from ray_diloco.analysis.laws import (
-    FORMS,
-    PAPER_FORM_RESIDUALS,
-    PAPER_INDEPENDENT,
-    PAPER_JOINT,
-    PAPER_SIZES,
-    FormFit,
     fit_all,
-    fit_form,
     fit_joint,
     fit_power_law,
     format_prediction,
     load_table,
     optimal_batch,
+    predict,
+)
+from ray_diloco.analysis.paper import (
+    PAPER_FORM_RESIDUALS,
+    PAPER_INDEPENDENT,
+    PAPER_JOINT,
+    PAPER_SIZES,
     paper_fits,
     paper_table,
-    predict,
 )
 from ray_diloco.errors import DataError
 
@@ -313,7 +313,7 @@ def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
 def test_json_outputs_are_strict_and_predict_reads_them_back(tmp_path):
     """fit/predict/simulate --json and fits.json hold no bare NaN or Infinity (not JSON): an
     undefined number is null, and predict reads such a fits.json back to the same prediction."""
-    from ray_diloco.cli import _write_json
+    from ray_diloco.cli.common import write_json as _write_json
 
     fits = paper_fits()
     fits["independent"]["DP"]["loss"]["r2"] = float("nan")  # an r2 that is undefined
@@ -356,7 +356,7 @@ def test_predict_warns_when_the_chosen_form_missed_a_held_out_size():
 def test_predict_reads_null_misses_and_refuses_hand_edited_fits_in_one_line(tmp_path):
     """A fits.json that fit wrote with an overflowed (null) residual is read, shown as n/a; a
     hand-edited one with a value of the wrong type or shape is one error line, exit 2."""
-    from ray_diloco.cli import _write_json
+    from ray_diloco.cli.common import write_json as _write_json
 
     def run(fits):
         _write_json(str(tmp_path / "fits.json"), fits)
