@@ -103,7 +103,7 @@ def profile(params: int, replicas: int, repeats: int, outer_cpus: float = 1) -> 
                 mean.add(t, 1.0)
             opt.step_ordered(0, mean)
 
-        new_global = opt.params[0]
+        new_global = opt.fragments[0].param
         memcpy_dst = np.empty_like(pg)
         r = {
             "memcpy": timed(lambda: np.copyto(memcpy_dst, pg), repeats, 1),
@@ -120,7 +120,7 @@ def profile(params: int, replicas: int, repeats: int, outer_cpus: float = 1) -> 
         residual, new_residual = torch.zeros(params), torch.empty(params)
         msgs = [encode_message(torch.from_numpy(t), fmt, residual, new_residual) for t in terms]
         packed = [_unpack(m) for m in msgs]
-        opt4, down = OuterOptimizer([glob.numpy().copy()], OuterConfig()), Downlink(fmt, True, 1)
+        opt4, down = OuterOptimizer([glob.numpy().copy()], OuterConfig()), Downlink(fmt, True)
 
         def step4() -> None:
             mean = OrderedMean(params)

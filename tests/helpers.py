@@ -354,13 +354,13 @@ def outer_step(opt, fragment: int, weights: list[float], *deltas, average_only: 
     [numel_p] (the global fragment before the step), "update_norm", "step", "delta_norms"}``."""
     import numpy as np
 
-    p = opt.params[fragment]
+    p = opt.fragments[fragment].param
     mean = ordered_mean(list(deltas), list(weights))
     if mean.numel != p.numel():
         raise ValueError(f"pseudo-gradient has {mean.numel} values, expected {p.numel()}")
     before = p.clone()
     opt.step_ordered(fragment, mean, average_only)
-    return {"before": before, "update_norm": float((p - before).norm()), "step": opt.steps[fragment],
+    return {"before": before, "update_norm": float((p - before).norm()), "step": opt.fragments[fragment].steps,
             "delta_norms": [float(np.linalg.norm(np.asarray(d, dtype=np.float32))) for d in deltas]}
 
 
@@ -417,10 +417,10 @@ def downlink_encode(downlink, opt, fragment: int, before: torch.Tensor) -> bytes
     """The message of the step ``opt`` just took on ``fragment`` from ``before``, with
     ``downlink``'s (a ``core.wire.Downlink``) format and residuals; ``opt``'s global fragment
     becomes the decoded value, as the driver's ``Downlink.encode_update`` leaves it."""
-    message, applied, residual = encode_downlink(before, opt.params[fragment], downlink.fmt,
-                                                 downlink.residuals[fragment])
+    frag = opt.fragments[fragment]
+    message, applied, residual = encode_downlink(before, frag.param, downlink.fmt, frag.residual)
     if downlink.error_feedback:
-        downlink.residuals[fragment] = residual
+        frag.residual = residual
     opt.set_global(fragment, applied)
     return message
 

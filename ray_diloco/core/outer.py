@@ -18,6 +18,7 @@ import copy
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -241,6 +242,25 @@ def _sgd_pass(
     return sq
 
 
+@dataclass
+class OuterFragment:
+    """One fragment as the outer side holds it (an outer shard: its slice of one), DiLoCo arXiv
+    2311.08105 Algorithm 1 lines 8-12, kept per fragment as in Streaming DiLoCo arXiv
+    2501.18512 section 2.
+
+    ``param``: the global values (fp32 ``[n]``); ``opt``: their outer optimiser
+    (:func:`make_outer_optimizer`: momentum or Adam moments); ``steps``: outer steps taken;
+    ``version``: outer steps applied as the driver's round book counts them (an outer shard's
+    replies carry it); ``residual``: the downlink's error-feedback residual (fp32 ``[n]``, None
+    until the first quantised reply or without error feedback; ``core.wire.Downlink``)."""
+
+    param: torch.Tensor
+    opt: Any
+    steps: int = 0
+    version: int = 0
+    residual: torch.Tensor | None = None
+
+
 class OuterOptimizer:
     """Global fp32 parameters and an outer optimiser per fragment: the maths of the outer step.
 
@@ -256,9 +276,10 @@ class OuterOptimizer:
 
     def __init__(self, initial: list[np.ndarray], cfg: OuterConfig):
         self.cfg = cfg
-        self.params = [torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1)) for g in initial]
-        self.opts = [make_outer_optimizer(p, cfg) for p in self.params]
-        self.steps = [0] * len(self.params)
+        self.fragments = []
+        for g in initial:
+            p = torch.tensor(np.asarray(g, dtype=np.float32).reshape(-1))
+            self.fragments.append(OuterFragment(p, make_outer_optimizer(p, cfg)))
 
     # -- the outer step --------------------------------------------------------------------
     def step_ordered(
@@ -291,7 +312,8 @@ class OuterOptimizer:
         Returns ``(update_norm, update or None)``: the norm of the step taken (``lr`` x the norm of
         the step direction; fp32 chunk norms combined in fp64).
         """
-        p, opt = self.params[fragment], self.opts[fragment]
+        frag = self.fragments[fragment]
+        p, opt = frag.param, frag.opt
         if keep_update:  # the whole update, collected from the chunks
             update = torch.empty(p.numel(), dtype=torch.float32)
 
@@ -301,7 +323,7 @@ class OuterOptimizer:
                     on_update(sl, u)
 
             return self.step_ordered(fragment, mean, average_only, on_update=collect)[0], update
-        self.steps[fragment] += 1
+        frag.steps += 1
         g = opt.param_groups[0]
         if not average_only and isinstance(opt, torch.optim.Optimizer):  # Adam: torch steps
             full = mean.take()
@@ -330,41 +352,48 @@ class OuterOptimizer:
     def set_global(self, fragment: int, value: torch.Tensor) -> None:
         """Overwrite the global fragment (fp32 ``[numel_p]``) without touching the optimiser state
         (the driver adopts the decoded downlink, ``core.wire.Downlink``)."""
-        p = self.params[fragment]
+        p = self.fragments[fragment].param
         if value is not p:
             with torch.no_grad():
                 p.copy_(value)
 
     def global_params(self) -> list[np.ndarray]:
         """Copies of every global fragment, fp32 ``[numel_p]``."""
-        return [p.numpy().copy() for p in self.params]
+        return [f.param.numpy().copy() for f in self.fragments]
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Global parameters, optimiser state (momentum buffers) and step counts per fragment (a
-        snapshot, not live buffers)."""
+        """Per fragment (a snapshot, not live buffers): ``global`` values, ``optimizers`` state
+        (momentum buffers), ``steps``, downlink ``residuals`` (fp32 arrays, None where there is
+        none) and ``versions``."""
         return {
             "global": self.global_params(),
-            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.opts],
-            "steps": list(self.steps),
+            "optimizers": [copy.deepcopy(f.opt.state_dict()) for f in self.fragments],
+            "steps": [f.steps for f in self.fragments],
+            "residuals": [None if f.residual is None else f.residual.numpy().copy() for f in self.fragments],
+            "versions": [f.version for f in self.fragments],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (global parameters, optimiser buffers, step counts).
+        """Restore :meth:`state_dict`; a missing ``residuals`` or ``versions`` (or a None entry):
+        no residual, version 0.
 
         Raises:
             ValueError: if the number of fragments differs.
         """
-        if len(state["global"]) != len(self.params):
-            raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {len(self.params)}")
-        for i, g in enumerate(state["global"]):
+        n = len(self.fragments)
+        if len(state["global"]) != n:
+            raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
+        residuals, versions = state.get("residuals") or [None] * n, state.get("versions", [0] * n)
+        for f, g, o, k, r, v in zip(self.fragments, state["global"], state["optimizers"], state["steps"], residuals,
+                                    versions):  # fmt: skip
             with torch.no_grad():
-                self.params[i].copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
-            self.opts[i].load_state_dict(state["optimizers"][i])
-        self.steps = list(state["steps"])
+                f.param.copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
+            f.opt.load_state_dict(o)
+            f.steps, f.version = int(k), int(v)
+            f.residual = None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
 
     def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and of the optimiser buffers (parameter identity checks)."""
-        return outer_state_hash(
-            [p.numpy() for p in self.params], [o.state.get(p, {}) for p, o in zip(self.params, self.opts)]
-        )
+        return outer_state_hash([f.param.numpy() for f in self.fragments],
+                                [f.opt.state.get(f.param, {}) for f in self.fragments])  # fmt: skip

@@ -72,6 +72,19 @@ class Finished:
     rejected: frozenset[int]
 
 
+@dataclass
+class FragmentRounds:
+    """One fragment's place in the book: ``version`` (outer steps applied to its global value),
+    ``last_finished`` (send step of its newest finished round), ``kept`` (its finished rounds
+    kept for late receivers, oldest first) and ``must_resync`` (members whose next answer is a
+    resync, :meth:`RoundBook.resync_all`)."""
+
+    version: int = 0
+    last_finished: int = 0
+    kept: deque = field(default_factory=deque)
+    must_resync: set[int] = field(default_factory=set)
+
+
 @dataclass(frozen=True)
 class Answer:
     """What a replica is answered about a round: ``status`` (``core.wire``: ok, rejected, failed,
@@ -108,20 +121,30 @@ class RoundBook:
         self.events: deque = deque(maxlen=max_events)
         self.stats: list[dict[str, Any]] = []
         self.failed_rounds = 0
-        self.versions: list[int] = []
-        self.last_finished: list[int] = []  # send step of the newest finished round per fragment
-        self._order: list[deque] = []
+        self.fragments: list[FragmentRounds] = []
         self._checking: set[tuple[int, int, int]] = set()
-        self._must_resync: dict[int, set[int]] = {}  # fragment -> members answered with a resync next
 
     def set_fragments(self, n: int) -> None:
         """Start ``n`` fragments at version 0 with no finished round."""
-        self.versions, self.last_finished = [0] * n, [0] * n
-        self._order = [deque() for _ in range(n)]
+        self.fragments = [FragmentRounds() for _ in range(n)]
 
     def restore(self, versions: list[int], completed: list[int], stats: list[dict[str, Any]]) -> None:
         """Versions, newest finished send step per fragment and unreported stats from a checkpoint."""
-        self.versions, self.last_finished, self.stats = list(versions), list(completed), list(stats)
+        if len(self.fragments) != len(versions):
+            self.set_fragments(len(versions))
+        for f, v, c in zip(self.fragments, versions, completed):
+            f.version, f.last_finished = int(v), int(c)
+        self.stats = list(stats)
+
+    @property
+    def versions(self) -> list[int]:
+        """Each fragment's version (a copy)."""
+        return [f.version for f in self.fragments]
+
+    @property
+    def last_finished(self) -> list[int]:
+        """Each fragment's newest finished send step (a copy)."""
+        return [f.last_finished for f in self.fragments]
 
     # -- membership ------------------------------------------------------------------------
     def add_member(self, replica: int, join_step: int, **info: Any) -> None:
@@ -160,8 +183,8 @@ class RoundBook:
     # -- arrivals --------------------------------------------------------------------------
     def validate(self, fragment: int, replica: int) -> None:
         """Raises ValueError for a fragment out of range or a replica that never was a member."""
-        if not 0 <= fragment < len(self.versions):
-            raise ValueError(f"fragment {fragment}: not in [0, {len(self.versions)})")
+        if not 0 <= fragment < len(self.fragments):
+            raise ValueError(f"fragment {fragment}: not in [0, {len(self.fragments)})")
         if replica not in self.members and replica not in self.removed:
             raise ValueError(f"replica {replica}: not a member of this run (members: {sorted(self.members)})")
 
@@ -174,7 +197,7 @@ class RoundBook:
         r = self.rounds.get((fragment, step))
         if r is not None:
             return r.closing
-        return (fragment, step) in self.finished or step <= self.last_finished[fragment]
+        return (fragment, step) in self.finished or step <= self.fragments[fragment].last_finished
 
     def admits(self, fragment: int, step: int, replica: int) -> bool:
         """Whether ``replica``'s pseudo-gradient counts for the round: it is a member that joined
@@ -275,8 +298,8 @@ class RoundBook:
         """The round's outer step was taken: the fragment is at ``version``; ``message`` (of
         ``size`` bytes) is every receiver's reply. Records its stats."""
         r = self.rounds[(fragment, step)]
-        base, order = self.versions[fragment], sorted(r.weights)
-        self.versions[fragment], r.stepped = version, True
+        base, order = self.fragments[fragment].version, sorted(r.weights)
+        self.fragments[fragment].version, r.stepped = version, True
         self.stats.append({"fragment": fragment, "step": step, "update_norm": update_norm,
                            "delta_norms": {m: r.norms[m] for m in order}, "replicas": order,
                            "bytes_up": r.bytes_up, "bytes_down": size * len(self.expected(step) | set(order))})  # fmt: skip
@@ -290,18 +313,18 @@ class RoundBook:
         else:
             self.event("round_failed", None, fragment=fragment, step=step, valid=len(r.weights), quorum=self.quorum,
                        cause="timeout" if self.expected(step) - r.arrived else "complete")  # fmt: skip
-        return Finished(True, self.versions[fragment], None, 0, frozenset(), frozenset(r.rejected))
+        return Finished(True, self.fragments[fragment].version, None, 0, frozenset(), frozenset(r.rejected))
 
     def finish(self, fragment: int, step: int, outcome: Finished) -> None:
         """Keep the closed round's outcome for its receivers (the newest ``keep_finished`` per
         fragment) and forget the open round."""
         self.failed_rounds += outcome.failed
         self.finished[(fragment, step)] = outcome
-        keep = self._order[fragment]
-        keep.append((fragment, step))
-        while len(keep) > self.keep_finished:
-            self.finished.pop(keep.popleft(), None)
-        self.last_finished[fragment] = max(self.last_finished[fragment], step)
+        fr = self.fragments[fragment]
+        fr.kept.append((fragment, step))
+        while len(fr.kept) > self.keep_finished:
+            self.finished.pop(fr.kept.popleft(), None)
+        fr.last_finished = max(fr.last_finished, step)
         self.rounds.pop((fragment, step), None)
 
     def resync_all(self, fragment: int) -> None:
@@ -309,7 +332,7 @@ class RoundBook:
         global fragment), whatever its version: a step already answered was taken again
         differently (a rebuilt shard redid it without a pseudo-gradient that died with its
         sender's node), so the global fragment some replicas applied is not the outer side's."""
-        self._must_resync[fragment] = set(self.members)
+        self.fragments[fragment].must_resync = set(self.members)
 
     def answer(self, fragment: int, step: int, replica: int, version: int) -> Answer:
         """What ``replica``, holding ``version`` of ``fragment``, is answered about the round sent
@@ -322,12 +345,12 @@ class RoundBook:
         else:
             status = OK if replica in rec.included else REJECTED if replica in rec.rejected else \
                 FAILED if rec.failed else DROPPED  # fmt: skip
-        forced = self._must_resync.get(fragment, set())
-        if replica in forced:  # its global fragment may differ from the outer side's (resync_all)
-            forced.discard(replica)
-            return Answer(status, self.versions[fragment], resync=True)
+        fr = self.fragments[fragment]
+        if replica in fr.must_resync:  # its global fragment may differ from the outer side's (resync_all)
+            fr.must_resync.discard(replica)
+            return Answer(status, fr.version, resync=True)
         if rec is not None and not rec.failed and version == rec.base_version:
             return Answer(status, rec.base_version + 1, rec.message, rec.size)
-        if version == self.versions[fragment]:
+        if version == fr.version:
             return Answer(status, version)
-        return Answer(status, self.versions[fragment], resync=True)
+        return Answer(status, fr.version, resync=True)

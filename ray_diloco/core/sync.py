@@ -190,6 +190,28 @@ class PendingSync:
 
 
 @dataclasses.dataclass
+class HeldFragment:
+    """One fragment as a replica's worker holds it (Streaming DiLoCo, arXiv 2501.18512, section 2).
+
+    ``spec``: which parameters it covers (``core.fragments.Fragment``). ``global_``: the global
+    value last received (host fp32 ``[numel]``; None until loaded), ``version`` outer steps old;
+    ``device``: its copy on the training device (device globals, ``core.staging``), else None;
+    ``last_send``: the inner step of its last send (a pseudo-gradient's weight counts the steps
+    since). Its error-feedback residual is the transport's (``Transport.residual_state``) and a
+    sync in flight is a :class:`PendingSync` in ``FragmentSync.pending``."""
+
+    spec: Fragment
+    global_: torch.Tensor | None = None
+    version: int = 0
+    device: torch.Tensor | None = None
+    last_send: int = 0
+
+    def current(self) -> torch.Tensor | None:
+        """The global value merges and resets read: the device copy when there is one."""
+        return self.global_ if self.device is None else self.device
+
+
+@dataclasses.dataclass
 class CommCounters:
     """Bytes of the syncs this worker merged (counted at the merge, so a sync belongs to the
     outer step it lands in, also across a resume)."""
@@ -220,10 +242,11 @@ class FragmentSync:
         rank: the worker's rank in its replica; only rank 0 computes pseudo-gradients.
         on_reset: called after a reset to the global parameters (clear the inner optimiser).
 
-    ``buffers`` (:class:`SyncBuffers`) are shared with the transport: pseudo-gradients are
-    computed into them (or copied there from the device) and old global values go back to them
-    at the merge. ``global_flat`` (host, fp32) is always current: checkpoints, hashes and the
-    transport read it.
+    ``held`` (:class:`HeldFragment`, one per fragment) holds each fragment's global value,
+    version, device copy and last send step; its host global value is always current:
+    checkpoints, hashes and the transport read it. ``buffers`` (:class:`SyncBuffers`) are shared
+    with the transport: pseudo-gradients are computed into them (or copied there from the
+    device) and old global values go back to them at the merge.
     """
 
     def __init__(
@@ -238,19 +261,15 @@ class FragmentSync:
         rank: int = 0,
         on_reset: Callable[[], None] | None = None,
     ):
-        self.params, self.fragments, self.alpha = params, fragments, alpha
+        self.params, self.alpha = params, alpha
         self.batch, self.seq_len, self.world_size, self.rank = batch, seq_len, world_size, rank
         self.on_reset = on_reset
         self.on_sync: Callable[[str, dict[str, Any]], None] | None = None  # see observe
-        n = len(fragments)
-        self.global_flat: list[torch.Tensor | None] = [None] * n
-        self.global_version = [0] * n  # outer steps applied to each global fragment
+        self.held = [HeldFragment(f) for f in fragments]
         self.staging: DeviceStaging | None = None  # see attach
-        self.global_dev: list[torch.Tensor | None] = [None] * n  # device copies of global_flat (staging)
         self.schedule: SyncSchedule | None = None
         self.transport: Transport | None = None
         self.pending: list[PendingSync] = []
-        self.last_send = [0] * n
         self.comm = CommCounters()
         self.buffers = SyncBuffers()
 
@@ -267,13 +286,14 @@ class FragmentSync:
 
         ``staging``: the worker's :class:`~ray_diloco.core.staging.DeviceStaging` (the transport's
         too); when it is ``on_device`` (a CUDA worker, ``streaming.device_globals``) a device copy of
-        every global fragment is kept in :attr:`global_dev`, pseudo-gradients and merges are
+        every global fragment is kept (``HeldFragment.device``), pseudo-gradients and merges are
         computed on the device and copied to and from (pinned) host memory off the training
         stream. None: the parameters are read and written through host copies."""
         self.schedule, self.transport = schedule, transport
         if staging is not None and staging.on_device:
             self.staging, self.buffers.pin = staging, staging.pin
-            self.global_dev = [None if g is None else staging.put(g) for g in self.global_flat]
+            for h in self.held:
+                h.device = None if h.global_ is None else staging.put(h.global_)
 
     @property
     def attached(self) -> bool:
@@ -291,33 +311,32 @@ class FragmentSync:
         local parameters with it. A read-only array (an object-store value, shared by the workers
         of a node) is kept as a view, as the replies are; a writable one is copied."""
         arr = np.asarray(global_p, dtype=np.float32).reshape(-1)
-        g = as_tensor(arr) if not arr.flags.writeable else torch.from_numpy(arr.copy())
-        self.global_flat[fragment], self.global_version[fragment] = g, int(version)
+        h = self.held[fragment]
+        h.global_, h.version = as_tensor(arr) if not arr.flags.writeable else torch.from_numpy(arr.copy()), int(version)
         if self.staging is not None:
-            g = self.global_dev[fragment] = self.staging.put(g)
-        unflatten_into(self.params, self.fragments[fragment], g)
+            h.device = self.staging.put(h.global_)
+        unflatten_into(self.params, h.spec, cast(torch.Tensor, h.current()))
 
     def global_fragment(self, fragment: int) -> np.ndarray:
         """The global value of ``fragment`` held (fp32 ``[numel_p]``, a copy)."""
-        g = self.global_flat[fragment]
+        g = self.held[fragment].global_
         assert g is not None  # loaded
         return g.numpy().copy()
 
     def global_hash(self) -> str:
         """sha256 of the global parameters held (all fragments loaded so far)."""
-        return tensor_hash([g for g in self.global_flat if g is not None])
+        return tensor_hash([h.global_ for h in self.held if h.global_ is not None])
 
     def pseudo_gradient_hash(self) -> str:
         """sha256 of ``global - local`` of every fragment."""
-        held = [cast(torch.Tensor, g) for g in self.global_flat]  # every fragment loaded
-        return tensor_hash([g - flatten(self.params, f) for f, g in zip(self.fragments, held)])
+        # every fragment loaded
+        return tensor_hash([cast(torch.Tensor, h.global_) - flatten(self.params, h.spec) for h in self.held])
 
     def reset_to_global(self) -> None:
         """Local parameters of every fragment <- the global ones held; then ``on_reset``."""
-        held = self.global_flat if self.staging is None else self.global_dev
-        for f, g in zip(self.fragments, held):
-            if g is not None:
-                unflatten_into(self.params, f, g)
+        for h in self.held:
+            if (g := h.current()) is not None:
+                unflatten_into(self.params, h.spec, g)
         if self.on_reset is not None:
             self.on_reset()
 
@@ -326,7 +345,9 @@ class FragmentSync:
         at ``versions``; no sync in flight, every fragment last sent at ``step``, counters zero."""
         for f, g in enumerate(globals_):
             self.load_global(f, g, versions[f])
-        self.pending, self.last_send = [], [step] * len(self.fragments)
+        self.pending = []
+        for h in self.held:
+            h.last_send = step
         self.comm = CommCounters()
 
     # -- the syncs -------------------------------------------------------------------------
@@ -344,7 +365,8 @@ class FragmentSync:
     def _send(self, f: int, t: int) -> None:
         """Start fragment ``f``'s sync at step ``t``: copy out ``global - local`` (rank 0) and hand
         it to the transport; the merge is queued for ``schedule.apply_step(t)``."""
-        frag, g = self.fragments[f], self.global_flat[f]
+        h = self.held[f]
+        frag, g = h.spec, h.global_
         assert g is not None and self.transport is not None and self.schedule is not None  # loaded, attached
         # DiLoCo Algorithm 1 line 8: global minus local, computed on rank 0 only into a reused
         # buffer (SyncBuffers), handed back by the transport once it has sent it; with device
@@ -357,13 +379,11 @@ class FragmentSync:
             delta = pseudo_gradient(g, self.params, frag, out=self.buffers.take(frag.numel))
         elif self.rank == 0:
             assert self.staging is not None  # the branch above takes None
-            delta = pseudo_gradient(cast(torch.Tensor, self.global_dev[f]), self.params, frag)  # kept with staging
+            delta = pseudo_gradient(cast(torch.Tensor, h.device), self.params, frag)  # kept with staging
             ready = self.staging.hand_off(delta)
-        weight = float((t - self.last_send[f]) * self.batch * self.seq_len * self.world_size)
-        prev, self.last_send[f] = self.last_send[f], t
-        fut = self.transport.exchange(
-            f, t, weight, delta, g, self.global_version[f], self.schedule.averages(f, t), ready=ready
-        )
+        weight = float((t - h.last_send) * self.batch * self.seq_len * self.world_size)
+        prev, h.last_send = h.last_send, t
+        fut = self.transport.exchange(f, t, weight, delta, g, h.version, self.schedule.averages(f, t), ready=ready)
         self.pending.append(PendingSync(f, t, self.schedule.apply_step(t), fut, prev))
         if self.on_sync is not None:
             self.on_sync("sent", {"fragment": f, "send_step": t, "old_global": g.clone(),
@@ -383,19 +403,19 @@ class FragmentSync:
         waited = time.perf_counter() - t0
         new = res.new_global
         self.comm.add(res.bytes_up, res.bytes_down)
-        f, alpha = e.fragment, self.alpha
-        frag, old = self.fragments[f], self.global_flat[f]
-        self.global_flat[f], self.global_version[f] = new, res.version
+        f, alpha, h = e.fragment, self.alpha, self.held[e.fragment]
+        frag, old = h.spec, h.global_
+        h.global_, h.version = new, res.version
         same = old is not None and old.untyped_storage().data_ptr() == new.untyped_storage().data_ptr()
         if self.staging is not None and not same:  # the device copy: staged by the transport, else copied now
-            self.global_dev[f] = self.staging.adopt(res.staged) if res.staged is not None else self.staging.put(new)
-        held = new if self.staging is None else self.global_dev[f]
+            h.device = self.staging.adopt(res.staged) if res.staged is not None else self.staging.put(new)
+        held = h.current()
         assert held is not None  # a device copy is kept of every loaded fragment
         # the local values are read only where the merge or an observer needs them (not for alpha 0)
         local = flatten(self.params, frag, held.device) if self.on_sync is not None or 0 < alpha < 1 else None
         merged: torch.Tensor | None
         if res.status == FAILED:
-            self.last_send[f] = e.prev_send
+            h.last_send = e.prev_send
             merged = local
         elif res.status == REJECTED:
             self.reset_to_global()
@@ -445,7 +465,7 @@ class FragmentSync:
         ``comm``; with ``residuals`` also the transport's error-feedback ``residuals`` when
         there are any. Call :meth:`settle` first so residuals are settled."""
         state = {
-            "last_send": list(self.last_send),
+            "last_send": [h.last_send for h in self.held],
             "pending": [e.row() for e in self.pending],
             "comm": dataclasses.asdict(self.comm),
         }
@@ -459,13 +479,14 @@ class FragmentSync:
         """Restore :meth:`state_dict` (older checkpoints: missing keys and 5-column pending rows).
         Call after :meth:`load_global`: syncs that were in flight at the checkpoint merge the
         global values loaded, at their original merge step."""
-        self.last_send = list(state.get("last_send", [0] * len(self.fragments)))
+        for h, last in zip(self.held, state.get("last_send", [0] * len(self.held))):
+            h.last_send = int(last)
         self.pending = []
         for p in state.get("pending", []):
-            f = int(p[0])
-            status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, self.global_version[f], 0)
-            res = SyncResult(cast(torch.Tensor, self.global_flat[f]), int(p[3]), int(p[4]), status, version)
-            self.pending.append(PendingSync(f, int(p[1]), int(p[2]), None, prev, res))
+            h = self.held[int(p[0])]
+            status, version, prev = (p[5], int(p[6]), int(p[7])) if len(p) > 5 else (OK, h.version, 0)
+            res = SyncResult(cast(torch.Tensor, h.global_), int(p[3]), int(p[4]), status, version)
+            self.pending.append(PendingSync(int(p[0]), int(p[1]), int(p[2]), None, prev, res))
         self.comm = CommCounters(**state.get("comm", {}))
         if self.transport is not None:
             self.transport.load_residual_state(state.get("residuals", {}))

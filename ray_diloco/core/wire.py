@@ -320,18 +320,16 @@ def _part(t: torch.Tensor | None, sl: slice) -> torch.Tensor | None:
 class Downlink:
     """The outer-optimiser side of the downlink: encodes the reply of each outer step (the
     quantised update, :meth:`encode_update`) and makes the optimiser hold what every receiver
-    decodes; keeps the
-    downlink error-feedback residual of each fragment (Streaming DiLoCo, arXiv 2501.18512,
-    section 2: quantised communication both ways).
+    decodes; with error feedback it updates each fragment's downlink residual
+    (``core.outer.OuterFragment.residual``; Streaming DiLoCo, arXiv 2501.18512, section 2:
+    quantised communication both ways).
 
     Args:
         fmt: ``streaming.quantization``. error_feedback: keep the residuals.
-        num_fragments: fragments of the global parameters.
     """
 
-    def __init__(self, fmt: str | WireFormat, error_feedback: bool, num_fragments: int):
+    def __init__(self, fmt: str | WireFormat, error_feedback: bool):
         self.fmt, self.error_feedback = wire_format(fmt), error_feedback
-        self.residuals: list[torch.Tensor | None] = [None] * num_fragments
 
     def step(self, opt: Any, fragment: int, mean: Any, average_only: bool = False) -> tuple[Message, float]:
         """The outer step of ``fragment`` (``opt``: a ``core.outer.OuterOptimizer``, ``mean`` its
@@ -344,12 +342,13 @@ class Downlink:
 
         Raises:
             ValueError: ``none`` format, or a non-finite update."""
-        p = opt.params[fragment].detach()
+        frag = opt.fragments[fragment]
+        p = frag.param.detach()
         if not self.fmt.scaled or p.device.type != "cpu":
             _, update = opt.step_ordered(fragment, mean, average_only, keep_update=True)
             return self.encode_update(opt, fragment, update)
         n = p.numel()
-        residual = self.residuals[fragment]
+        residual = frag.residual
         if self.error_feedback and residual is None:
             residual = torch.empty(n, dtype=torch.float32)
             fresh = True  # no residual yet: the first update is encoded as it is
@@ -375,7 +374,7 @@ class Downlink:
 
         with torch.no_grad():
             opt.step_ordered(fragment, mean, average_only, on_update=on_update)
-        self.residuals[fragment] = residual
+        frag.residual = residual
         return set_frame_scales(message, scales), math.sqrt(sq[0])
 
     def encode_update(self, opt: Any, fragment: int, update: torch.Tensor) -> tuple[Message, float]:
@@ -392,28 +391,17 @@ class Downlink:
             raise ValueError(
                 f"streaming.quantization = {self.fmt.name!r}: the reply is the global fragment, not an update"
             )
-        residual = self.residuals[fragment]
-        p = opt.params[fragment].detach()
+        frag = opt.fragments[fragment]
+        p, residual = frag.param.detach(), frag.residual
         value = update if residual is None else update + residual
         del update
         framed, sent = quantize_message(value, self.fmt)  # sent: the dequantised values
         if self.error_feedback:  # what the encoding lost
-            self.residuals[fragment] = value - sent
+            frag.residual = value - sent
         del value
         with torch.no_grad():
             apply_downlink(p, framed, out=p, values=sent)
         return framed, float(sent.norm())
-
-    def state_dict(self) -> list[Any]:
-        """The residuals as fp32 arrays (None where there is none), for checkpoints."""
-        return [None if r is None else r.numpy().copy() for r in self.residuals]
-
-    def load_state_dict(self, state: list[Any] | None) -> None:
-        """Restore :meth:`state_dict` (None or missing entries: no residual)."""
-        self.residuals = [
-            None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
-            for r in (state or [None] * len(self.residuals))
-        ]
 
 
 OK, DROPPED, REJECTED, FAILED = "ok", "dropped", "rejected", "failed"

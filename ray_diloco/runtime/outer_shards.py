@@ -155,9 +155,7 @@ class OuterShard:
         self.numels = list(numels)
         self.bounds = [shard_bounds(n, self.shards)[self.shard] for n in numels]
         self.opt = OuterOptimizer(slices, self.cfg.outer)
-        s = self.cfg.streaming
-        self.downlink = Downlink(s.quantization, s.error_feedback, len(numels))
-        self.versions = [0] * len(numels)
+        self.downlink = Downlink(self.cfg.streaming.quantization, self.cfg.streaming.error_feedback)
 
     # -- a round ------------------------------------------------------------------------------
     async def check(self, fragment: int, step: int, replica: int, message: Any) -> Checked:
@@ -212,23 +210,24 @@ class OuterShard:
         which this shard applies to its own copy exactly as every receiver does
         (``core.wire.Downlink.step``)."""
         assert self.opt is not None  # set_global first
-        p = self.opt.params[fragment]
+        frag = self.opt.fragments[fragment]
+        p = frag.param
         if self.downlink.fmt.raw:
             norm, _ = self.opt.step_ordered(fragment, mean, average_only)
             ref, size = ray.put(p.numpy()), RAW.message_nbytes(p.numel())
         else:
             message, norm = self.downlink.step(self.opt, fragment, mean, average_only)
             ref, size = ray.put(np.frombuffer(message, np.uint8)), len(message)
-        self.versions[fragment] += 1
-        return Stepped(ref, size, norm, self.versions[fragment])
+        frag.version += 1
+        return Stepped(ref, size, norm, frag.version)
 
     async def current(self, fragment: int) -> Current:
         """This slice's current global values (a resync)."""
 
         def put() -> Current:
             assert self.opt is not None  # set_global first
-            p = self.opt.params[fragment]
-            return Current(self.versions[fragment], ray.put(p.numpy()), RAW.message_nbytes(p.numel()))
+            f = self.opt.fragments[fragment]
+            return Current(f.version, ray.put(f.param.numpy()), RAW.message_nbytes(f.param.numel()))
 
         return await self._maths(put)
 
@@ -236,7 +235,7 @@ class OuterShard:
     async def global_refs(self) -> list[Any]:
         """This shard's slice of every fragment (fp32) put once into the object store."""
         assert self.opt is not None  # set_global first
-        return await self._maths(lambda: [ray.put(p.numpy()) for p in self.opt.params])
+        return await self._maths(lambda: [ray.put(f.param.numpy()) for f in self.opt.fragments])
 
     async def global_params(self) -> list[np.ndarray]:
         """Copies of this shard's slice of every fragment, fp32."""
@@ -246,14 +245,12 @@ class OuterShard:
     def read(self, unit: int, start: int, stop: int) -> np.ndarray:
         """A copy of values ``[start, stop)`` of this shard's slice of exchange unit ``unit`` (fp32)."""
         assert self.opt is not None  # set_global first
-        return self.opt.params[unit][start:stop].numpy().copy()
+        return self.opt.fragments[unit].param[start:stop].numpy().copy()
 
     async def state_dict(self) -> dict[str, Any]:
         """This slice's global values, optimiser state, step counts, residuals and versions."""
         assert self.opt is not None  # set_global first
-        return await self._maths(
-            lambda: {**self.opt.state_dict(), "residuals": self.downlink.state_dict(), "versions": list(self.versions)}
-        )
+        return await self._maths(self.opt.state_dict)
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take this shard's slice of a whole (K = 1 layout) outer state: the layout of a
@@ -262,10 +259,11 @@ class OuterShard:
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.opt is not None  # set_global first
-        n = len(self.opt.params)
+        n = len(self.opt.fragments)
         if len(state["global"]) != n:
             raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
         numels = [np.asarray(g).size for g in state["global"]]
+        residuals = state.get("residuals") or [None] * n
         self.opt.load_state_dict(
             {
                 "global": [
@@ -275,16 +273,13 @@ class OuterShard:
                     slice_optimizer_state(o, sl, k) for o, sl, k in zip(state["optimizers"], self.bounds, numels)
                 ],
                 "steps": state["steps"],
+                "residuals": [
+                    None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
+                    for r, sl in zip(residuals, self.bounds)
+                ],
+                "versions": state.get("versions", [0] * n),
             }
         )
-        residuals = state.get("residuals") or [None] * n
-        self.downlink.load_state_dict(
-            [
-                None if r is None else np.asarray(r, dtype=np.float32).reshape(-1)[sl]
-                for r, sl in zip(residuals, self.bounds)
-            ]
-        )
-        self.versions = list(state.get("versions", [0] * n))
 
     async def state_hash(self) -> dict[str, str]:
         """sha256 of the global parameters and outer buffers (K = 1: the whole state's)."""
@@ -312,13 +307,13 @@ class OuterShard:
         ``{"numel", "version", "steps", "global" fp32 [n] (None: not ``with_global``), "optimizer"
         (torch state dict, tensors as numpy), "residual" fp32 [n] or None}``."""
         assert self.opt is not None  # set_global first
-        opt = self.opt.opts[fragment].state_dict()
-        residual = self.downlink.residuals[fragment]
+        frag = self.opt.fragments[fragment]
+        opt, residual = frag.opt.state_dict(), frag.residual
         return {
             "numel": self.numels[fragment],
-            "version": self.versions[fragment],
-            "steps": self.opt.steps[fragment],
-            "global": self.opt.params[fragment].detach().numpy() if with_global else None,
+            "version": frag.version,
+            "steps": frag.steps,
+            "global": frag.param.detach().numpy() if with_global else None,
             "optimizer": {
                 "state": {k: {n: _as_numpy(v) for n, v in st.items()} for k, st in opt["state"].items()},
                 "param_groups": opt["param_groups"],
@@ -333,7 +328,7 @@ class OuterShard:
         values are left out (with ``none`` the step's reply is the new global slice itself: the
         keeper takes it from there, :meth:`keep`)."""
         assert self.opt is not None  # set_global first
-        todo = range(len(self.opt.params)) if fragments is None else fragments
+        todo = range(len(self.opt.fragments)) if fragments is None else fragments
         return await self._maths(lambda: ray.put({f: self._backup_entry(f, with_global) for f in todo}))
 
     async def keep(self, shard: int, backup: dict[int, dict[str, Any]], values: Any = None) -> int:
@@ -372,7 +367,8 @@ class OuterShard:
         Raises:
             RuntimeError: already set. LookupError: the copy lacks fragments."""
         await self._maths(self._restore, backup)
-        return {"versions": list(self.versions), "node": ray.get_runtime_context().get_node_id()}
+        assert self.opt is not None  # restored just now
+        return {"versions": [f.version for f in self.opt.fragments], "node": ray.get_runtime_context().get_node_id()}
 
     def _restore(self, backup: dict[int, dict[str, Any]]) -> None:
         if self.opt is not None:
@@ -382,13 +378,13 @@ class OuterShard:
         entries = [backup[f] for f in sorted(backup)]
         self._set_slices([int(e["numel"]) for e in entries], [e["global"] for e in entries])
         assert self.opt is not None  # set just now
-        for f, e in enumerate(entries):
+        for frag, e in zip(self.opt.fragments, entries):
             opt = e["optimizer"]
             state = {k: {n: _as_tensor(v) for n, v in st.items()} for k, st in opt["state"].items()}
-            self.opt.opts[f].load_state_dict({"state": state, "param_groups": opt["param_groups"]})
-            self.opt.steps[f] = int(e["steps"])
-            self.versions[f] = int(e["version"])
-        self.downlink.load_state_dict([e["residual"] for e in entries])
+            frag.opt.load_state_dict({"state": state, "param_groups": opt["param_groups"]})
+            frag.steps, frag.version = int(e["steps"]), int(e["version"])
+            r = e["residual"]
+            frag.residual = None if r is None else torch.from_numpy(np.array(r, dtype=np.float32, copy=True))
 
 
 def _as_numpy(v: Any) -> Any:

@@ -74,7 +74,7 @@ def test_round_completes_without_a_silent_replica_at_the_timeout(ray_session):
     ref = OuterOptimizer([theta0], cfg.outer)
     outer_step(ref, 0, [100.0, 300.0], d0, d1)
     (glob,) = ray.get(driver.global_params.remote())
-    assert np.array_equal(glob, ref.params[0].numpy())
+    assert np.array_equal(glob, ref.fragments[0].param.numpy())
     late = ray.get(driver.exchange.remote(0, 5, 2, 100.0, m2, 0))
     assert late.status == "dropped" and late.version == 1
     assert np.array_equal(decode_reply(torch.from_numpy(theta0), resolve_reply(late)).numpy(), glob)
@@ -135,7 +135,7 @@ def test_non_finite_pseudo_gradients_are_rejected_by_the_driver(ray_session):
     ref = OuterOptimizer([theta0], cfg.outer)
     outer_step(ref, 0, [1.0], d0)
     (glob,) = ray.get(driver.global_params.remote())
-    assert np.isfinite(glob).all() and np.array_equal(glob, ref.params[0].numpy())
+    assert np.isfinite(glob).all() and np.array_equal(glob, ref.fragments[0].param.numpy())
     rejected = [e["replica"] for e in ray.get(driver.take_events.remote()) if e["event"] == "rejected"]
     assert sorted(rejected) == [1, 2]
     ray.kill(driver)

@@ -46,7 +46,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         ray.get(driver.init_global.remote([theta0]))
     with pytest.raises(RuntimeError, match="global parameters are already set"):
         ray.get(driver.init_global.remote([theta0 + 1]))
-    local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False, 1)
+    local, downlink = OuterOptimizer([theta0], cfg.outer), Downlink(fmt, False)
     held = torch.tensor(theta0)  # what a replica holds
     for k in (1, 2, 3):
         ds = pseudo_gradients(10 + k, 1001, 2)
@@ -66,7 +66,7 @@ def test_driver_completes_a_round_once_every_replica_sent(ray_session, fmt):
         assert reply.nbytes == len(out["message"])
         held = apply_downlink(held, reply.message[0])
         (glob,) = ray.get(driver.global_params.remote())
-        assert np.array_equal(glob, local.params[0].numpy()) and np.array_equal(glob, held.numpy())
+        assert np.array_equal(glob, local.fragments[0].param.numpy()) and np.array_equal(glob, held.numpy())
     assert ray.get(driver.state_hash.remote()) == local.state_hash()
     assert pending_rounds(driver) == 0  # no round left open
     late = ray.get(driver.exchange.remote(0, 3, 0, 1.0, msgs[0], 2))  # the newest completed round
@@ -293,7 +293,7 @@ def test_a_lost_outer_shard_is_rebuilt_with_the_same_bits(ray_session):
         ray.get(off.ping.remote())  # the run stops (Membership and the watchdog turn it into one line)
     ray.kill(off)
     def oracle():  # the same rounds written out in this process (one driver's bits: the tests above)
-        local, downlink = OuterOptimizer([t.copy() for t in theta], cfg.outer), Downlink(fmt, True, 2)
+        local, downlink = OuterOptimizer([t.copy() for t in theta], cfg.outer), Downlink(fmt, True)
         held, received = [[torch.tensor(t) for t in theta] for _ in range(2)], []
         for s in (5, 10, 15, 20):
             for f in range(2):
@@ -304,8 +304,8 @@ def test_a_lost_outer_shard_is_rebuilt_with_the_same_bits(ray_session):
                 for m in range(2):
                     held[m][f] = apply_downlink(held[m][f], msg)
                     received.append(held[m][f])
-        state = {"residuals": [r.numpy() for r in downlink.residuals],
-                 "optimizers": [{"state": {0: o.state[p]}} for o, p in zip(local.opts, local.params)]}
+        state = {"residuals": [f.residual.numpy() for f in local.fragments],
+                 "optimizers": [{"state": {0: f.opt.state[f.param]}} for f in local.fragments]}
         return received, local.global_params(), local.state_hash(), state
 
     (a, ga, ha, sa) = oracle()

@@ -340,7 +340,7 @@ class OuterDriver:
         if parts is not None and bool(np.isfinite(weight)) and weight >= 0:  # checked before the round counts it
             checks = await self.rounds.checked(fragment, step, replica, parts)
             if checks is None:  # it died with its sender's node: as its death, no error
-                return Reply(DROPPED, self.book.versions[fragment])
+                return Reply(DROPPED, self.book.fragments[fragment].version)
             norms, size = [c.norm for c in checks], sum(c.nbytes for c in checks)
             if not self.book.admits(fragment, step, replica):  # closed while it was checked
                 await self.recovery.all("discard", fragment, step, replica)

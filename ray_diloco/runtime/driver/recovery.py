@@ -265,9 +265,9 @@ class Recovery:
             RuntimeError: a step missing from those kept, or a pseudo-gradient of one is gone."""
         redone: list[int] = []
         for f, v in enumerate(versions):
-            chain = self.copies.steps_after(f, v)
-            if [u.version for u in chain] != list(range(v + 1, self.book.versions[f] + 1)):
-                raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {self.book.versions[f]}")
+            chain, now = self.copies.steps_after(f, v), self.book.fragments[f].version
+            if [u.version for u in chain] != list(range(v + 1, now + 1)):
+                raise RuntimeError(f"its copy of fragment {f} is at version {v}, the run at {now}")
             for u in chain:
                 await self._take_again(i, f, u)
                 redone.append(f)

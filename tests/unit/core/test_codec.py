@@ -183,7 +183,8 @@ def test_the_downlink_encoded_chunk_by_chunk_inside_the_step_equals_the_whole_up
     n = 2 * outer.CHUNK + 3 * BLOCK + 7
     theta = rng.standard_normal(n).astype(np.float32)
     a, b = outer.OuterOptimizer([theta], OuterConfig()), outer.OuterOptimizer([theta], OuterConfig())
-    da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
+    da, db = Downlink(fmt, True), Downlink(fmt, True)
+    fa, fb = a.fragments[0], b.fragments[0]
     for step in range(3):
         ds = [(rng.standard_normal(n) * 0.01).astype(np.float32) for _ in range(2)]
         means = [outer.OrderedMean(n), outer.OrderedMean(n)]
@@ -194,8 +195,8 @@ def test_the_downlink_encoded_chunk_by_chunk_inside_the_step_equals_the_whole_up
         msg_a, norm_a = da.encode_update(a, 0, update)
         msg_b, norm_b = db.step(b, 0, means[1])
         assert bytes(msg_a) == bytes(msg_b), step
-        assert torch.equal(a.params[0], b.params[0]) and torch.equal(da.residuals[0], db.residuals[0])
-        assert torch.equal(a.opts[0].state[a.params[0]]["momentum_buffer"], b.opts[0].state[b.params[0]]["momentum_buffer"])
+        assert torch.equal(fa.param, fb.param) and torch.equal(fa.residual, fb.residual)
+        assert torch.equal(fa.opt.state[fa.param]["momentum_buffer"], fb.opt.state[fb.param]["momentum_buffer"])
         assert norm_b == pytest.approx(norm_a, rel=1e-5)
 
 

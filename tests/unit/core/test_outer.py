@@ -27,9 +27,9 @@ def test_nesterov_matches_torch_sgd_over_three_steps():
         mean = np.mean(np.stack(ds).astype(np.float64), 0)
         buf = 0.9 * buf + mean
         manual = manual - 0.7 * (mean + 0.9 * buf)
-        np.testing.assert_allclose(outer.params[0].numpy(), ref.numpy(), rtol=0, atol=1e-6)
-        np.testing.assert_allclose(outer.params[0].numpy(), manual, rtol=0, atol=1e-5)
-    mom = outer.opts[0].state[outer.params[0]]["momentum_buffer"].numpy()
+        np.testing.assert_allclose(outer.fragments[0].param.numpy(), ref.numpy(), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(outer.fragments[0].param.numpy(), manual, rtol=0, atol=1e-5)
+    mom = outer.fragments[0].opt.state[outer.fragments[0].param]["momentum_buffer"].numpy()
     np.testing.assert_allclose(mom, sgd.state[ref]["momentum_buffer"].numpy(), rtol=0, atol=1e-6)
 
 
@@ -39,10 +39,10 @@ def test_sign_identity_and_midpoint():
     local = np.array([0.5, -1.0, 0.25, 2.5], np.float32)
     one = OuterOptimizer([theta], OuterConfig(name="sgd", lr=1.0, momentum=0.0))
     outer_step(one, 0, [1.0], theta - local)
-    assert np.array_equal(one.params[0].numpy(), local)
+    assert np.array_equal(one.fragments[0].param.numpy(), local)
     half = OuterOptimizer([theta], OuterConfig(name="sgd", lr=0.5, momentum=0.0))
     outer_step(half, 0, [1.0], theta - local)
-    assert np.array_equal(half.params[0].numpy(), (theta + local) / 2)
+    assert np.array_equal(half.fragments[0].param.numpy(), (theta + local) / 2)
 
 
 def test_weighted_mean_by_tokens():
@@ -74,20 +74,20 @@ def test_the_step_is_maths_only_and_the_wire_encodes_the_downlink(fmt):
 
     theta0 = np.random.default_rng(3).standard_normal(600).astype(np.float32)
     maths, one_call = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
-    downlink = Downlink(fmt, True, 1)
+    downlink = Downlink(fmt, True)
     held, residual = torch.tensor(theta0), None
     for k in range(3):
         ds = pseudo_gradients(20 + k, 600, 2)
         out = outer_step(maths, 0, [1.0, 2.0], *ds)
         assert "message" not in out and torch.equal(out["before"], held)
-        message, applied, residual = encode_downlink(out["before"], maths.params[0], fmt, residual)
+        message, applied, residual = encode_downlink(out["before"], maths.fragments[0].param, fmt, residual)
         maths.set_global(0, applied)
         held = apply_downlink(held, message)
         ref = outer_step(one_call, 0, [1.0, 2.0], *ds)
         ref["message"] = downlink_encode(downlink, one_call, 0, ref["before"])
-        ref["update_norm"] = float((one_call.params[0] - ref["before"]).norm())
-        assert ref["message"] == message and torch.equal(maths.params[0], held)
-        assert torch.equal(one_call.params[0], held) and ref["update_norm"] == float((held - out["before"]).norm())
+        ref["update_norm"] = float((one_call.fragments[0].param - ref["before"]).norm())
+        assert ref["message"] == message and torch.equal(maths.fragments[0].param, held)
+        assert torch.equal(one_call.fragments[0].param, held) and ref["update_norm"] == float((held - out["before"]).norm())
     assert maths.state_hash() == one_call.state_hash()
 
 
@@ -118,23 +118,23 @@ def test_the_chunked_step_is_bitwise_torch_sgd_on_the_ordered_mean(name, momentu
         norm, none = outer.step_ordered(0, means[0], average_only)
         ref.grad = means[1].take()
         sgd.step()
-        assert none is None and torch.equal(outer.params[0], ref)
-        before = kept.params[0].clone()
+        assert none is None and torch.equal(outer.fragments[0].param, ref)
+        before = kept.fragments[0].param.clone()
         knorm, update = kept.step_ordered(0, means[2], average_only, keep_update=True)
-        assert torch.equal(kept.params[0], before) and torch.equal(update, ref - before)
+        assert torch.equal(kept.fragments[0].param, before) and torch.equal(update, ref - before)
         kept.set_global(0, ref)
         assert norm == pytest.approx(float((ref - before).norm()), rel=1e-5) and knorm == norm
     if momentum and not average_only:
-        assert torch.equal(outer.opts[0].state[outer.params[0]]["momentum_buffer"], sgd.state[ref]["momentum_buffer"])
+        assert torch.equal(outer.fragments[0].opt.state[outer.fragments[0].param]["momentum_buffer"], sgd.state[ref]["momentum_buffer"])
     assert outer.state_hash() == kept.state_hash()
     if not average_only:  # torch's state dict, key for key: checkpoints load either way
-        ours, theirs = outer.opts[0].state_dict(), sgd.state_dict()
+        ours, theirs = outer.fragments[0].opt.state_dict(), sgd.state_dict()
         assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
         assert all(torch.equal(ours["state"][0][k], v) for k, v in theirs["state"].get(0, {}).items())
         again = OuterOptimizer([theta0], cfg)
-        again.opts[0].load_state_dict(theirs)
+        again.fragments[0].opt.load_state_dict(theirs)
         sgd.load_state_dict(ours)
-        assert again.opts[0].state_dict()["param_groups"] == sgd.state_dict()["param_groups"]
+        assert again.fragments[0].opt.state_dict()["param_groups"] == sgd.state_dict()["param_groups"]
 
 
 def test_an_sgd_outer_optimiser_imports_no_torch_dynamo():
@@ -170,7 +170,7 @@ def test_the_downlink_from_the_update_is_bitwise_the_downlink_from_the_step(fmt)
     n = 5000
     theta0 = np.random.default_rng(2).standard_normal(n).astype(np.float32)
     a, b = OuterOptimizer([theta0], OuterConfig()), OuterOptimizer([theta0], OuterConfig())
-    da, db = Downlink(fmt, True, 1), Downlink(fmt, True, 1)
+    da, db = Downlink(fmt, True), Downlink(fmt, True)
     for k in range(3):
         ds = pseudo_gradients(60 + k, n, 2)
         out = outer_step(a, 0, [1.0, 2.0], *ds)
@@ -178,15 +178,15 @@ def test_the_downlink_from_the_update_is_bitwise_the_downlink_from_the_step(fmt)
         mean = OrderedMean(n)
         for d, w in zip(ds, [1.0, 2.0]):
             mean.add(d, w)
-        old = b.params[0].clone()
+        old = b.fragments[0].param.clone()
         _, update = b.step_ordered(0, mean, keep_update=True)
         msg_b, norm = db.encode_update(b, 0, update)
-        assert bytes(msg_a) == bytes(msg_b) and torch.equal(a.params[0], b.params[0])
-        assert torch.equal(da.residuals[0], db.residuals[0])
-        assert norm == pytest.approx(float((b.params[0] - old).norm()), rel=1e-4)
+        assert bytes(msg_a) == bytes(msg_b) and torch.equal(a.fragments[0].param, b.fragments[0].param)
+        assert torch.equal(a.fragments[0].residual, b.fragments[0].residual)
+        assert norm == pytest.approx(float((b.fragments[0].param - old).norm()), rel=1e-4)
     assert a.state_hash() == b.state_hash()
     with pytest.raises(ValueError, match="'none'"):
-        Downlink("none", False, 1).encode_update(b, 0, torch.zeros(n))
+        Downlink("none", False).encode_update(b, 0, torch.zeros(n))
 
 
 def test_finite_norm_one_pass_and_its_overflow_rule():

@@ -49,7 +49,7 @@ def test_optimizer_state_sliced_and_joined_round_trips_and_steps_the_same(name):
     outer_step(whole, 0, [2.0], d)
     for p, sl in zip(parts, bounds):
         outer_step(p, 0, [2.0], d[sl])
-    assert np.array_equal(np.concatenate([p.params[0].numpy() for p in parts]), whole.params[0].numpy())
+    assert np.array_equal(np.concatenate([p.fragments[0].param.numpy() for p in parts]), whole.fragments[0].param.numpy())
     joined = join_optimizer_states([p.state_dict()["optimizers"][0] for p in parts], bounds)
     for key, v in whole.state_dict()["optimizers"][0]["state"][0].items():
         assert torch.equal(joined["state"][0][key], v), key

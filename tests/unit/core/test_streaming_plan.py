@@ -148,7 +148,7 @@ def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
     theta0 = rng.standard_normal(777).astype(np.float32)
     for ef in (False, True):
         cfg = load_config({"outer": {"lr": 0.7, "momentum": 0.9}}).outer
-        driver, downlink = OuterOptimizer([theta0], cfg), Downlink(fmt, ef, 1)
+        driver, downlink = OuterOptimizer([theta0], cfg), Downlink(fmt, ef)
         replicas = [torch.tensor(theta0) for _ in range(3)]
         for _ in range(4):
             deltas = [rng.standard_normal(777).astype(np.float32) * 0.01 for _ in range(2)]
@@ -157,7 +157,7 @@ def test_quantised_downlink_keeps_driver_and_replicas_bitwise_identical(fmt):
             assert len(out["message"]) == wire_format(fmt).message_nbytes(777) < 4 * 777
             replicas = [apply_downlink(r, out["message"]) for r in replicas]
             for r in replicas:
-                assert torch.equal(r, driver.params[0])
+                assert torch.equal(r, driver.fragments[0].param)
 
 
 def test_error_feedback_carries_the_residual():

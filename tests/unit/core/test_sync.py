@@ -63,7 +63,7 @@ class MemoryDriver:
     def __init__(self, initial: list[torch.Tensor], replicas: int, fmt: str = "none", fail=()):
         self.opt = OuterOptimizer([g.numpy() for g in initial], OUTER)
         self.fmt, self.fail = fmt, set(fail)
-        self.downlink = Downlink(fmt, False, len(initial))
+        self.downlink = Downlink(fmt, False)
         self.book = RoundBook({m: 0 for m in range(replicas)}, quorum=1, timeout_s=10.0, keep_finished=1000)
         self.book.set_fragments(len(initial))
         self.lock = threading.Lock()
@@ -215,7 +215,7 @@ def _setup(tau: int, T: int, alpha: float, fmt: str = "none", fail=(), error_fee
 def _device_copies_current(r: Replica) -> bool:
     """With device globals: each fragment's device copy is its own storage and equals the host global."""
     return all(d is not None and d.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
-               and torch.equal(d, g) for d, g in zip(r.sync.global_dev, r.sync.global_flat))
+               and torch.equal(d, g) for d, g in ((h.device, h.global_) for h in r.sync.held))
 
 
 def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
@@ -224,7 +224,7 @@ def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
     ``alpha * local + (1 - alpha) * new_global`` tau steps later."""
     locals_ = [_initial() for _ in range(M)]
     glob = [flatten(_initial(), f) for f in FRAGMENTS]
-    opt, downlink = OuterOptimizer([g.numpy() for g in glob], OUTER), Downlink(fmt, False, len(FRAGMENTS))
+    opt, downlink = OuterOptimizer([g.numpy() for g in glob], OUTER), Downlink(fmt, False)
     last, due = [0] * len(FRAGMENTS), []
     for t in range(1, schedule.total_steps + 1):
         for m in range(M):
@@ -235,7 +235,7 @@ def _replay(schedule: SyncSchedule, alpha: float, fmt: str, M: int = 2):
             w = float((t - last[f]) * TOKENS)
             last[f] = t
             downlink_encode(downlink, opt, f, outer_step(opt, f, [w] * M, *deltas, average_only=schedule.averages(f, t))["before"])
-            due.append((schedule.apply_step(t), f, opt.params[f].clone()))
+            due.append((schedule.apply_step(t), f, opt.fragments[f].param.clone()))
         for a, f, new in [d for d in due if d[0] <= t]:
             due.remove((a, f, new))
             glob[f] = new
@@ -274,9 +274,9 @@ def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fm
     glob, locals_, opt = _replay(schedule, alpha, fmt)
     for f in range(len(FRAGMENTS)):
         a, b = (r.sync.global_fragment(f) for r in reps)
-        assert np.array_equal(a, b) and np.array_equal(a, driver.opt.params[f].numpy())
-        assert np.array_equal(a, glob[f].numpy()) and np.array_equal(a, opt.params[f].numpy())
-        assert reps[0].sync.global_version[f] == driver.versions[f] >= 64 // 12
+        assert np.array_equal(a, b) and np.array_equal(a, driver.opt.fragments[f].param.numpy())
+        assert np.array_equal(a, glob[f].numpy()) and np.array_equal(a, opt.fragments[f].param.numpy())
+        assert reps[0].sync.held[f].version == driver.versions[f] >= 64 // 12
     for r, ref in zip(reps, locals_):
         assert all(torch.equal(r.params[n], ref[n]) for n in SHAPES)
     assert reps[0].sync.global_hash() == reps[1].sync.global_hash()
@@ -284,7 +284,7 @@ def test_two_replicas_end_with_identical_globals_equal_to_the_outer_optimizer(fm
     # once every fragment has synced, pseudo-gradients and decoded globals reuse buffers
     # (SyncBuffers) instead of two new ones per round; the results above are still the replay's
     assert steady == (2 * len(FRAGMENTS), made)
-    assert all(_device_copies_current(r) for r in reps) if mirror else reps[0].sync.global_dev == [None] * 4
+    assert all(_device_copies_current(r) for r in reps) if mirror else all(h.device is None for h in reps[0].sync.held)
 
 
 def test_sync_buffers_reuse_only_their_own_tensors_and_keep_a_bounded_number():
@@ -324,16 +324,16 @@ def test_a_merge_happens_exactly_at_send_plus_tau():
     _lockstep(reps, 0, s)
     assert [e.apply_step for e in reps[0].sync.pending if e.fragment == f] == [s + tau]
     reps[0].sync.settle()  # every answer is in
-    v0 = reps[0].sync.global_version[f]
+    v0 = reps[0].sync.held[f].version
     for t in range(s + 1, s + tau):
         _lockstep(reps, t - 1, t)
         for r in reps:
-            assert r.sync.global_version[f] == v0 and not torch.equal(r.local(f), driver.opt.params[f])
+            assert r.sync.held[f].version == v0 and not torch.equal(r.local(f), driver.opt.fragments[f].param)
     _lockstep(reps, s + tau - 1, s + tau)
     for r in reps:
-        assert r.sync.global_version[f] == v0 + 1
-        new = driver.opt.params[f]
-        assert torch.equal(r.local(f), new) and torch.equal(r.sync.global_flat[f], new)
+        assert r.sync.held[f].version == v0 + 1
+        new = driver.opt.fragments[f].param
+        assert torch.equal(r.local(f), new) and torch.equal(r.sync.held[f].global_, new)
 
 
 @pytest.mark.parametrize("alpha", [0.25, 1.0])
@@ -348,9 +348,9 @@ def test_alpha_blends_the_local_and_the_new_global_parameters(alpha):
     before = [r.local(2) for r in reps]
     for r in reps:
         r.sync.step(s + 1)
-    new = driver.opt.params[2]
+    new = driver.opt.fragments[2].param
     for r, b in zip(reps, before):
-        assert torch.equal(r.sync.global_flat[2], new)
+        assert torch.equal(r.sync.held[2].global_, new)
         assert torch.equal(r.local(2), b if alpha == 1 else alpha * b + (1 - alpha) * new)
     assert not torch.equal(before[0], before[1])  # the replicas did differ
 
@@ -364,16 +364,16 @@ def test_a_failed_round_keeps_the_local_parameters_and_the_previous_send_step(mi
     first, second, third = H, 2 * H, 3 * H  # fragment 0 has offset 0
     schedule, driver, reps = _setup(tau=tau, T=40, alpha=0.5, H=H, fail=[(0, second)], mirror=mirror)
     _lockstep(reps, 0, second + tau - 1)
-    g0, v0 = reps[0].sync.global_flat[0].clone(), reps[0].sync.global_version[0]
-    assert [r.sync.last_send[0] for r in reps] == [second, second]
+    g0, v0 = reps[0].sync.held[0].global_.clone(), reps[0].sync.held[0].version
+    assert [r.sync.held[0].last_send for r in reps] == [second, second]
     for r in reps:
         r.inner(second + tau)
     before = [r.local(0) for r in reps]
     for r in reps:
         r.sync.step(second + tau)
     for r, b in zip(reps, before):
-        assert torch.equal(r.local(0), b) and torch.equal(r.sync.global_flat[0], g0)
-        assert r.sync.global_version[0] == v0 and r.sync.last_send[0] == first
+        assert torch.equal(r.local(0), b) and torch.equal(r.sync.held[0].global_, g0)
+        assert r.sync.held[0].version == v0 and r.sync.held[0].last_send == first
     _lockstep(reps, second + tau, third)
     for r in reps:
         r.sync.settle()  # the round sent at `third` has reached the driver
@@ -399,11 +399,11 @@ def test_a_rejected_round_resets_the_replica_to_the_global_parameters(mirror):
     _lockstep(reps, s, s + 1)
     assert reps[1].resets == 1 and reps[0].resets == 0
     for f in range(len(FRAGMENTS)):
-        assert torch.equal(reps[1].local(f), reps[1].sync.global_flat[f])
-    assert torch.equal(reps[1].sync.global_flat[3], driver.opt.params[3])
-    assert torch.isfinite(reps[1].local(3)).all() and not torch.equal(reps[0].local(3), driver.opt.params[3])
+        assert torch.equal(reps[1].local(f), reps[1].sync.held[f].global_)
+    assert torch.equal(reps[1].sync.held[3].global_, driver.opt.fragments[3].param)
+    assert torch.isfinite(reps[1].local(3)).all() and not torch.equal(reps[0].local(3), driver.opt.fragments[3].param)
     _lockstep(reps, s + 1, 30)  # and the run goes on
-    assert all(torch.equal(reps[0].sync.global_flat[f], reps[1].sync.global_flat[f]) for f in range(len(FRAGMENTS)))
+    assert all(torch.equal(reps[0].sync.held[f].global_, reps[1].sync.held[f].global_) for f in range(len(FRAGMENTS)))
     assert not mirror or all(_device_copies_current(r) for r in reps)
 
 
@@ -444,8 +444,8 @@ def test_state_dict_round_trip_continues_bitwise_identically():
     _lockstep(reps2, k, T)
     for a, b in zip(reps, reps2):
         assert all(torch.equal(a.params[n], b.params[n]) for n in SHAPES)
-        assert a.sync.global_hash() == b.sync.global_hash() and a.sync.global_version == b.sync.global_version
-        assert a.sync.last_send == b.sync.last_send and a.transport.residual_state().keys() == \
+        assert a.sync.global_hash() == b.sync.global_hash() and [h.version for h in a.sync.held] == [h.version for h in b.sync.held]
+        assert [h.last_send for h in a.sync.held] == [h.last_send for h in b.sync.held] and a.transport.residual_state().keys() == \
             b.transport.residual_state().keys()
     assert driver.opt.state_hash() == driver2.opt.state_hash()
 

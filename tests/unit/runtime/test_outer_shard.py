@@ -63,12 +63,12 @@ def test_a_shard_rebuilt_from_its_neighbours_copy_holds_and_steps_the_same_bits(
         mean.add(np.random.default_rng(seed).standard_normal(n).astype(np.float32), 1.0)
         _, update = shard.opt.step_ordered(f, mean, keep_update=True)
         shard.downlink.encode_update(shard.opt, f, update)
-        shard.versions[f] += 1
+        shard.opt.fragments[f].version += 1
 
     def state(shard):
-        return ([p.numpy().copy() for p in shard.opt.params],
-                [o.state[p]["momentum_buffer"].numpy().copy() for o, p in zip(shard.opt.opts, shard.opt.params)],
-                list(shard.opt.steps), [r.numpy().copy() for r in shard.downlink.residuals], list(shard.versions))
+        fs = shard.opt.fragments
+        return ([f.param.numpy().copy() for f in fs], [f.opt.state[f.param]["momentum_buffer"].numpy().copy() for f in fs],
+                [f.steps for f in fs], [f.residual.numpy().copy() for f in fs], [f.version for f in fs])
 
     a = D.OuterShard(cfg, 1, 2)
     a.set_global(theta)
@@ -77,8 +77,8 @@ def test_a_shard_rebuilt_from_its_neighbours_copy_holds_and_steps_the_same_bits(
             step(a, f, 10 * s + f)
     keeper = D.OuterShard(cfg, 0, 2)
     keeper._keep(1, {0: a._backup_entry(0)})
-    keeper._keep(1, {1: a._backup_entry(1, with_global=False)}, a.opt.params[1].numpy())  # values: the reply's
-    stale = {0: {**a._backup_entry(0), "version": 1, "global": np.zeros_like(a.opt.params[0].numpy())}}
+    keeper._keep(1, {1: a._backup_entry(1, with_global=False)}, a.opt.fragments[1].param.numpy())  # values: the reply's
+    stale = {0: {**a._backup_entry(0), "version": 1, "global": np.zeros_like(a.opt.fragments[0].param.numpy())}}
     keeper._keep(1, stale)  # older than the copy kept: ignored
     before = state(a)
     step(a, 0, 99)  # the original moves on: the copy does not (no view of its arrays)
