@@ -28,6 +28,7 @@ from ray_diloco.components.storage import join_uri
 from ray_diloco.config import Config
 from ray_diloco.core.fragments import Fragment
 from ray_diloco.errors import CheckpointError
+from ray_diloco.runtime.layout import ReplicaLayout
 from ray_diloco.runtime.run_state import RunState
 
 if TYPE_CHECKING:
@@ -66,11 +67,11 @@ class Checkpointer:
         import ray
 
         states, cid = rs["workers"], rs.get("checkpoint_id")
-        fsdp = self.cfg.exchange_units > 1  # each rank has its own rows' state
+        layout = ReplicaLayout.of_run(self.cfg)
         calls = []
         for r in self.supervisor.replicas:
             for rank, w in enumerate(r.workers):
-                own, full = states[(r.index, rank)], None if fsdp or rank == 0 else states[(r.index, 0)]
+                own, full = states[(r.index, rank)], None if layout.owns(rank) else states[(r.index, 0)]
                 calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
         for key, w, own, full, ref in calls:
             if not ray.get(ref):  # this worker's node does not see the run directory: through the job
@@ -89,7 +90,7 @@ class Checkpointer:
         directory: that state comes here and is written inline, with a note). Syncs in flight
         are answered first."""
         self.supervisor.settle()
-        cfg, fsdp = self.cfg, self.cfg.exchange_units > 1  # every rank holds its own rows
+        cfg, layout = self.cfg, ReplicaLayout.of_run(self.cfg)
         name = f"step_{st.outer_step:06d}"
         # run.storage_path: each writer uploads its own file there too (in parallel, from its node)
         remote = self.mirror.checkpoint_uri(name) if self.mirror is not None else None
@@ -100,7 +101,7 @@ class Checkpointer:
                 "save_state",
                 lambda r, rank, i, n: (
                     str(tmp / worker_file(r.index, rank)),
-                    rank == 0 or fsdp,
+                    layout.owns(rank),
                     token,
                     remote and join_uri(remote, worker_file(r.index, rank)),
                 ),
@@ -126,7 +127,7 @@ class Checkpointer:
             "sizes": [f.numel for f in fragments],
             "checkpoint_id": token,
         }
-        if fsdp:  # the outer state holds W parts per fragment (core.shards.exchange_index)
+        if layout.sharded:  # the outer state holds W parts per fragment (core.shards.exchange_index)
             state["exchange_units"] = cfg.exchange_units
             state["fragments"] = [[(p.name, tuple(p.shape)) for p in f.params] for f in fragments]
 
@@ -167,7 +168,7 @@ class Checkpointer:
             return state
         try:
             r = next(r for r in self.supervisor.replicas if r.index == key[0])
-            return ray.get(r.workers[key[1]].state_dict.remote(key[1] == 0 or self.cfg.exchange_units > 1))
+            return ray.get(r.workers[key[1]].state_dict.remote(ReplicaLayout.of_run(self.cfg).owns(key[1])))
         except (StopIteration, ray.exceptions.RayError):
             raise CheckpointError(
                 f"checkpoint of outer step {st.outer_step}: replica {key[0]} was lost while "

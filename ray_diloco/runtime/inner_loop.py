@@ -34,7 +34,8 @@ from ray_diloco.config import Config
 from ray_diloco.core.fragments import Fragment, ParamSpec, flatten, tensor_hash, unflatten_into
 from ray_diloco.core.schedules import inner_lr
 from ray_diloco.core.sync import FragmentSync
-from ray_diloco.models.transformer import lm_loss, logits_of
+from ray_diloco.models.transformer import lm_loss, logits_of, make_inner_optimizer
+from ray_diloco.runtime.layout import ReplicaLayout
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -94,15 +95,6 @@ def accumulate_gradients(
     return ce_sum / n if n > 1 else ce_sum
 
 
-def _max_over_ranks(value: int, device: torch.device) -> int:
-    """The largest ``value`` over the ranks of the replica's process group."""
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def _mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     """The mean of a fp64 scalar over the ``world_size`` ranks of the replica's process group
     (1: no group, the value itself). ``value`` is on the group's device (gloo: CPU, NCCL: the GPU)."""
@@ -126,7 +118,7 @@ class WorkerParts:
         device: where it trains. model: the model. net: what the inner loop calls (the model,
             its DDP wrapper or its ``torch.compile`` module).
         specs: the trainable parameters in exchange order. fragments: the fragments they are
-            exchanged in. fsdp: ``diloco.sharding: fsdp`` over more than one worker.
+            exchanged in. layout: the replica's layout (``runtime.layout``).
         params: name -> parameter (FSDP: this rank's rows). sync_fragments: what this worker
             exchanges of each fragment (FSDP: its rows). optimizer: the inner optimiser.
         sync: the fragments' syncs (:meth:`new_sync`). reader: its data shard (set by the
@@ -143,7 +135,7 @@ class WorkerParts:
     model: torch.nn.Module
     specs: list[ParamSpec]
     fragments: list[Fragment]
-    fsdp: bool
+    layout: ReplicaLayout
     params: dict[str, torch.Tensor]
     sync_fragments: list[Fragment]
     optimizer: torch.optim.Optimizer
@@ -151,6 +143,21 @@ class WorkerParts:
     sync: FragmentSync = dataclasses.field(init=False)
     reader: ShardReader | None = None
     val_tokens: Split | None = None
+
+    @classmethod
+    def build(cls, cfg: Config, layout: ReplicaLayout, ids: tuple[int, int, int], device: torch.device,
+              model: torch.nn.Module, specs: list[ParamSpec], fragments: list[Fragment]) -> WorkerParts:  # fmt: skip
+        """A worker's parts on ``layout``, once the replica's process group exists (the worker's
+        ``setup``): the model wrapped for it (:meth:`ReplicaLayout.wrap`), the inner optimiser
+        and the syncs of what it exchanges. ``ids``: (replica, data shard, number of shards)."""
+        replica, shard, num_shards = ids
+        net, params, mine = layout.wrap(cfg, model, device, fragments)
+        parts = cls(
+            cfg, replica, layout.rank, layout.world_size, shard, num_shards, device, model, specs, fragments,
+            layout=layout, params=params, sync_fragments=mine, optimizer=make_inner_optimizer(model, cfg), net=net,
+        )  # fmt: skip
+        parts.new_sync()
+        return parts
 
     def new_sync(self) -> None:
         """A fresh :class:`FragmentSync` of :attr:`params` and :attr:`sync_fragments` (after they
@@ -163,7 +170,7 @@ class WorkerParts:
             batch=self.cfg.batch_per_worker,
             seq_len=self.cfg.data.seq_len,
             world_size=self.world_size,
-            rank=0 if self.fsdp else self.rank,
+            rank=self.layout.sync_rank,
             on_reset=lambda: self.optimizer.state.clear(),
         )
 
@@ -284,8 +291,7 @@ class InnerLoop:
             for f, arr in zip(p.sync_fragments, globals_):
                 unflatten_into(p.params, f, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)))
         try:
-            # FSDP: every forward gathers parameters with the replica's other ranks: as many as theirs
-            most = _max_over_ranks(-(-len(windows) // p.cfg.run.eval_batch), p.device) if p.fsdp else 0
+            most = p.layout.eval_min_batches(-(-len(windows) // p.cfg.run.eval_batch), p.device)
             assert p.val_tokens is not None  # set by setup
             return evaluate_loss(
                 p.model,
@@ -300,8 +306,7 @@ class InnerLoop:
             if saved is not None:
                 for f, v in zip(p.sync_fragments, saved):
                     unflatten_into(p.params, f, v)
-            if p.fsdp:  # no backward resharded the root group: drop its gathered (global) copy
-                cast("FSDPModule", p.model).reshard()
+            p.layout.after_eval(p.model)
 
 
 class WorkerState:
@@ -318,17 +323,11 @@ class WorkerState:
     def units(self, per_unit: list[Any]) -> list[Any]:
         """This worker's entries, one per fragment, of a list over the outer exchange's units
         (FSDP: unit ``f * W + rank`` is its part of fragment f; DDP: the fragments)."""
-        p = self.p
-        return per_unit[p.rank :: p.world_size] if p.fsdp else per_unit
+        return self.p.layout.own_units(per_unit)
 
     def load_optimizer(self, state: dict[str, Any]) -> None:
         """The inner optimiser's state from ``state`` (a ``state_dict``; FSDP: this rank's rows)."""
-        if self.p.fsdp:
-            from ray_diloco.runtime.fsdp import optimizer_state_in
-
-            optimizer_state_in(self.p.optimizer, state)
-        else:
-            self.p.optimizer.load_state_dict(state)
+        self.p.layout.load_inner_optimizer(self.p.optimizer, state)
 
     def local_fragment(self, fragment: int) -> np.ndarray:
         """This worker's current parameters of ``fragment`` as fp32 ``[numel_p]`` (FSDP: its rows)."""
@@ -345,12 +344,9 @@ class WorkerState:
     def load_global(self, fragment: int, values: np.ndarray, version: int = 0) -> None:
         """Adopt the global exchange unit ``fragment`` (fp32 ``[numel_p]``, at ``version`` outer
         steps) and overwrite the local one. FSDP: another rank's unit is ignored."""
-        p = self.p
-        if p.fsdp:
-            if fragment % p.world_size != p.rank:
-                return
-            fragment //= p.world_size
-        p.sync.load_global(fragment, values, version)
+        local = self.p.layout.local_unit(fragment)
+        if local is not None:
+            self.p.sync.load_global(local, values, version)
 
     def state_dict(self, full: bool = True, copy_tensors: bool = True) -> dict[str, Any]:
         """Data position and RNG of this worker and its sync state (``last_send``, ``pending``,

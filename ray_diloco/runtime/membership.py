@@ -41,6 +41,7 @@ from ray_diloco.runtime.cluster import (
     outer_side_failed,
     stop_replicas,
 )
+from ray_diloco.runtime.layout import ReplicaLayout
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +205,8 @@ class Membership:
         peer = None
         if self.cfg.diloco.join_inner_state == "peer" and self.live:
             try:
-                fsdp = self.cfg.exchange_units > 1  # a joiner's rank r takes rank r's rows
-                peer = [
-                    w.inner_optimizer_state.remote() for w in (self.live[0].workers if fsdp else [self.live[0].rank0])
-                ]
+                layout = ReplicaLayout.of_run(self.cfg)  # a joiner's rank r takes rank r's part
+                peer = [w.inner_optimizer_state.remote() for k, w in enumerate(self.live[0].workers) if layout.owns(k)]
                 ray.wait(peer, num_returns=len(peer), timeout=30)
             except ray.exceptions.RayError:
                 peer = None

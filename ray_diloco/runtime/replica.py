@@ -41,7 +41,7 @@ from ray_diloco.models.transformer import (
     compile_wanted,
     resolve_model_shape,
 )
-from ray_diloco.runtime.inner_loop import InnerLoop, WorkerState
+from ray_diloco.runtime.inner_loop import InnerLoop, WorkerParts, WorkerState
 from ray_diloco.runtime.layout import ReplicaLayout
 from ray_diloco.runtime.link import Link, fetch_global
 
@@ -196,7 +196,7 @@ class ReplicaWorker:
         compiling = compile_wanted(self.cfg.run.compile, device)
         if compiling:  # blocks in place, before DDP / FSDP2 wrap them
             compile_blocks(self.model)
-        p = self.parts = lay.parts(self.cfg, self.ids, device, self.model, self.specs, self.fragments)
+        p = self.parts = WorkerParts.build(self.cfg, lay, self.ids, device, self.model, self.specs, self.fragments)
         self.loop = InnerLoop(p, self.z_loss, group=group, compiling=compiling)
         self.state = WorkerState(p)
         net = self.cfg.network

@@ -28,6 +28,7 @@ import numpy as np
 from ray_diloco.config import Config, check_overlap
 from ray_diloco.core.fragments import Fragment
 from ray_diloco.core.schedules import SyncSchedule
+from ray_diloco.runtime.layout import ReplicaLayout
 
 if TYPE_CHECKING:
     from ray_diloco.runtime.cluster import Replica
@@ -264,8 +265,8 @@ class DiLoCoSync(SyncStrategy):
         return self.cfg.diloco.sync_timeout_s + transfer_allowance_s(4 * self.num_params)
 
     def round_traffic(self, metrics: list[dict[str, Any]], start: int, end: int) -> tuple[list[dict], int]:
-        rank0 = [mtr for mtr in metrics if mtr["rank"] == 0]
-        senders = metrics if self.cfg.exchange_units > 1 else rank0
+        rank0, owns = [mtr for mtr in metrics if mtr["rank"] == 0], ReplicaLayout.of_run(self.cfg).owns
+        senders = [mtr for mtr in metrics if owns(mtr["rank"])]
         return senders, int(sum(mtr["tokens"] for mtr in rank0))  # each live replica counts its own
 
     def outer_fields(self, end: int) -> dict[str, Any]:

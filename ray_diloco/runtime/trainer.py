@@ -40,6 +40,7 @@ from ray_diloco.errors import ConfigError
 from ray_diloco.models.transformer import ModelFn
 from ray_diloco.runtime.checkpointing import Checkpointer
 from ray_diloco.runtime.cluster import Replica, all_workers, check_resources, start_replicas, stop_replicas
+from ray_diloco.runtime.layout import ReplicaLayout
 from ray_diloco.runtime.membership import Membership
 from ray_diloco.runtime.resolved import ResolvedRun
 from ray_diloco.runtime.run_state import RunState
@@ -245,11 +246,11 @@ class Trainer:
         globals_ = self.sync.eval_globals()
         windows = np.arange(val_windows(self.corpus.val, self.cfg.data.seq_len))
 
-        fsdp = self.cfg.exchange_units > 1  # every rank of a replica forwards together, windows or not
+        sharded = ReplicaLayout.of_run(self.cfg).sharded  # every rank forwards together, windows or not
 
         def chunk(r, rank, i, n_workers):
             c = np.array_split(windows, n_workers)[i]
-            return (c, globals_) if len(c) or fsdp else None
+            return (c, globals_) if len(c) or sharded else None
 
         assert self.supervisor is not None  # set by start
         parts = list(self.supervisor.on_live("evaluate", chunk).values())
