@@ -143,7 +143,7 @@ def measure(params: int, replicas: int, repeats: int, out_dir: str) -> dict:
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config
     from ray_diloco.runtime.cluster import all_workers
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
     cfg = load_config({
@@ -157,7 +157,7 @@ def measure(params: int, replicas: int, repeats: int, out_dir: str) -> dict:
     })
     corpus = load_corpus(cfg.data)
     U = 4 * params
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, StateModelFn(params))
+    t = Trainer(cfg, new_run_dir(cfg), corpus, StateModelFn(params))
     t.start()
     res: dict = {"params": params, "replicas": replicas}
     try:

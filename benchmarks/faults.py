@@ -51,7 +51,7 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
 
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
     cfg = load_config(None, ["diloco.replicas=2", "diloco.H=50", f"run.steps={steps}", "run.eval_every=0",
@@ -60,7 +60,7 @@ def run(name: str, steps: int, kill_step: int | None, spare: int, out_dir: str, 
                              f"diloco.spare_replicas={spare}", f"run.seed={seed}", "model.family=llama", "model.d_ff=352",
                              *(["diloco.cpus_per_worker=1", "diloco.outer_shards=2"] if cluster else [])])
     corpus = load_corpus(cfg.data)
-    t = Trainer(cfg, _new_run_dir(cfg), corpus)
+    t = Trainer(cfg, new_run_dir(cfg), corpus)
     t.start()
     out: dict = {"run": name}
     try:

@@ -95,10 +95,10 @@ def start_trainer(cfg, corpus, model_fn=None, resume_state=None, mirror_to=None)
     the outer-step loop driven by hand (``t.outer_step(k)``) in integration tests. ``mirror_to``:
     a storage path the run directory is mirrored to."""
     from ray_diloco.components.mirror import Mirror
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
-    run_dir = _new_run_dir(cfg)
+    run_dir = new_run_dir(cfg)
     mirror = Mirror(run_dir, mirror_to) if mirror_to else None
     t = Trainer(cfg, run_dir, corpus, model_fn, resume_state, mirror=mirror)
     t.start()

@@ -88,7 +88,12 @@ def _run_dir_for(cfg: Config) -> Path:
     return run_dir
 
 
-def _new_run_dir(cfg: Config) -> Path:
+def new_run_dir(cfg: Config) -> Path:
+    """A new run's directory, created (``run.output_dir``/``run.name``; an unnamed run is named
+    here, in ``cfg``): what a ``Trainer`` built in a program of its own (the benchmarks) writes to.
+
+    Raises:
+        ConfigError: it exists and is not empty, or its parent is not a writable directory."""
     run_dir = _run_dir_for(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config
     from ray_diloco.runtime.cluster import all_workers
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
     cfg = load_config(None, [
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
         "diloco.outer_cpus=2", "streaming.quantization=fp4_e3m0", "run.steps=4", "run.eval_every=0",
         "run.checkpoint_every=0", f"run.output_dir={tempfile.mkdtemp()}", "tracking.wandb=false",
         "tracking.progress=false"])
-    t = Trainer(cfg, _new_run_dir(cfg), load_corpus(cfg.data))
+    t = Trainer(cfg, new_run_dir(cfg), load_corpus(cfg.data))
     t.start()
     try:
         workers = all_workers(t.replicas)
@@ -78,13 +78,13 @@ NO_ROOM = textwrap.dedent("""
     from ray_diloco.components.data import load_corpus
     from ray_diloco.config import load_config
     from ray_diloco.errors import ClusterError
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
     cfg = load_config(None, [f"data.path={sys.argv[2]}", "diloco.cpus_per_worker=1", "diloco.outer_cpus=2",
                              "diloco.placement_timeout_s=3", "run.steps=4", "tracking.wandb=false",
                              "tracking.progress=false", f"run.output_dir={sys.argv[3]}"])
-    t = Trainer(cfg, _new_run_dir(cfg), load_corpus(cfg.data))
+    t = Trainer(cfg, new_run_dir(cfg), load_corpus(cfg.data))
     t0 = time.monotonic()
     try:
         t.start()
