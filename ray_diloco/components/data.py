@@ -342,12 +342,8 @@ class CacheEntry:
             except OSError as e:
                 raise DataError(f"data.cache_dir = {str(self.root.parent)!r}: cannot hold the tokenised {path.name} "
                                 f"({storage_reason(e)}); give a writable directory") from None  # fmt: skip
-            except (DataError, ClusterError) as e:  # prepare's option names are the run's fields here
-                why = str(e)
-                for option, name in (("--text-field", "data.text_field"), ("--tokenizer", "data.tokenizer"),
-                                     ("--address", "run.address"), ("--out", "data.cache_dir")):  # fmt: skip
-                    why = why.replace(option, name)
-                raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {why}") from None
+            except (DataError, ClusterError) as e:
+                raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {e}") from None
             return _from_cache(TokenStore(str(self.dir), "data.cache_dir"), self.tokenizer)
         ids, tok = _stream(cfg, self.tokenizer)
         meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
@@ -362,6 +358,10 @@ class CacheEntry:
                 f"({storage_reason(e)}); it stays in memory"
             )
             return _in_memory(ids, tok, cfg.val_fraction)
+
+
+#: What prepare's errors call its options when it tokenises a big ``data.path`` file: the run's fields.
+RUN_FIELDS = {"text_field": "data.text_field", "out": "data.cache_dir", "address": "run.address"}
 
 
 def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, address: str | None) -> None:
@@ -385,7 +385,7 @@ def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, addre
             name = tok_dir
         opts = PrepareOptions(sources=[str(path)], out=str(out), tokenizer=name, bpe_vocab_size=cfg.bpe_vocab_size,
                               text_field=cfg.text_field, val_fraction=cfg.val_fraction, val_split="tail",
-                              progress=sys.stderr.isatty())  # fmt: skip
+                              progress=sys.stderr.isatty(), names=RUN_FIELDS)  # fmt: skip
         prepare_store(opts, address=address)
 
 

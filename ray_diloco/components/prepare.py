@@ -94,6 +94,14 @@ class PrepareOptions:
     """Tokenizer actors; None: one per CPU of the cluster."""
     progress: bool = True
     """Show the progress bar."""
+    names: dict[str, str] = field(default_factory=dict)
+    """What errors call an option that the caller knows by another name (a big ``data.path``
+    file: ``{"text_field": "data.text_field", "out": "data.cache_dir", "address": "run.address"}``);
+    default: its command-line flag (:meth:`flag`)."""
+
+    def flag(self, option: str) -> str:
+        """What an error calls ``option`` (a field above): :attr:`names`, else ``--option-name``."""
+        return self.names.get(option, "--" + option.replace("_", "-"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -188,7 +196,7 @@ def _hub(opts: PrepareOptions, skip_rows: int):
         raise DataError(f"--dataset {opts.dataset!r}: cannot load ({error_line(e)})") from None
     if opts.text_field not in cols:
         raise DataError(
-            f"--text-field {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})"
+            f"{opts.flag('text_field')} {opts.text_field!r}: not a column of {opts.dataset} (columns: {', '.join(cols)})"
         )
     hf = hf.select_columns([opts.text_field])
     if skip_rows:
@@ -203,9 +211,11 @@ def _hub(opts: PrepareOptions, skip_rows: int):
 # tokenizers
 
 
-def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE") -> list[str]:
+def _sample(
+    ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE", field: str = "--text-field"
+) -> list[str]:
     """The first ``limit`` characters of text of ``ds`` (a bounded sample, streamed; one pass over
-    the source's first rows, which also checks ``column``).
+    the source's first rows, which also checks ``column``, called ``field`` in errors).
 
     Raises:
         DataError: the source has no rows, or no column ``column``.
@@ -218,7 +228,7 @@ def _sample(ds: Any, column: str, limit: int = SAMPLE_BYTES, what: str = "SOURCE
             raise DataError(f"{what}: no rows")
         if column not in first:
             raise DataError(
-                f"--text-field {column!r}: not a column of the source (columns: "
+                f"{field} {column!r}: not a column of the source (columns: "
                 f"{', '.join(k for k in first if k != 'path')})"
             )
         for batch in itertools.chain([first], batches):
@@ -277,13 +287,13 @@ class Tokenize:
     ``text_bytes`` and ``paths`` (a JSON list of ``[path, rows]`` runs).
     """
 
-    def __init__(
-        self, tokenizer_json: str, eos_id: int | None, column: str, lines: bool, val_fraction: float, dtype: str
-    ):
+    def __init__(self, tokenizer_json: str, eos_id: int | None, column: str, lines: bool, val_fraction: float,
+                 dtype: str, field: str = "--text-field"):  # fmt: skip
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_str(tokenizer_json)
         self.eos, self.column, self.lines, self.dtype = eos_id, column, lines, np.dtype(dtype)
+        self.field = field  # what errors call the column
         self.threshold = int(val_fraction * 2**32)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -291,7 +301,7 @@ class Tokenize:
         for t in values:
             if t is not None and not isinstance(t, str):
                 raise DataError(
-                    f"--text-field {self.column!r}: values must be strings, a row holds "
+                    f"{self.field} {self.column!r}: values must be strings, a row holds "
                     f"{type(t).__name__} {str(t)[:40]!r}"
                 )
         texts = [(t or "") + ("\n" if self.lines else "") for t in values]
@@ -336,7 +346,7 @@ def _check_options(o: PrepareOptions) -> None:
     if bool(o.sources) == bool(o.dataset):
         problems.append("prepare: give SOURCE files or --dataset NAME (one of them)")
     if not o.out:
-        problems.append("--out: required (a directory or a URI such as s3://bucket/store)")
+        problems.append(f"{o.flag('out')}: required (a directory or a URI such as s3://bucket/store)")
     elif (
         "://" not in o.out
         and (
@@ -347,7 +357,7 @@ def _check_options(o: PrepareOptions) -> None:
         is not None
         and not blocker.is_dir()
     ):
-        problems.append(f"--out = {o.out!r}: {blocker} is a file, not a directory (a store is a directory)")
+        problems.append(f"{o.flag('out')} = {o.out!r}: {blocker} is a file, not a directory (a store is a directory)")
     if problems:
         raise DataError("; ".join(problems))
 
@@ -421,13 +431,13 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
         return load_saved_tokenizer(local)
     what, limit = f"SOURCE {opts.dataset or ', '.join(opts.sources)}", _sample_bytes(opts)
     try:
-        sample = _sample(make({}, limit), column, limit, what)
+        sample = _sample(make({}, limit), column, limit, what, opts.flag("text_field"))
     except DataError as e:
         if not str(e).endswith("no rows") or make.whole(limit):
             raise
         sample = []
     if sum(map(len, sample)) < limit and not make.whole(limit):  # the first files were short or rowless
-        sample = _sample(make({}), column, limit, what)
+        sample = _sample(make({}), column, limit, what, opts.flag("text_field"))
     tok = build_prepare_tokenizer(opts.tokenizer, sample, opts.bpe_vocab_size)
     import tempfile
 
@@ -437,7 +447,7 @@ def _tokenizer_for(opts: PrepareOptions, writer: StoreWriter, make: Any, column:
     return tok
 
 
-def _init_ray(address: str | None) -> bool:
+def _init_ray(address: str | None, field: str = "--address") -> bool:
     """Join ``address`` (or ``RAY_ADDRESS``) or start a local Ray of this process's own, with an
     object store big enough for the tokenised batches (:func:`~ray_diloco.components.address.connect_ray`).
 
@@ -449,7 +459,7 @@ def _init_ray(address: str | None) -> bool:
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # no core-worker notes on the prepare's output
     # a cluster joined (RAY_ADDRESS under `ray job submit`) has its own object store: sized only here
     store = {"object_store_memory": max(OBJECT_STORE_BYTES * 2, 1 << 30)}
-    return connect_ray(address, "--address", local=store, include_dashboard=False, log_to_driver=False)
+    return connect_ray(address, field, local=store, include_dashboard=False, log_to_driver=False)
 
 
 def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str, Any]:
@@ -466,12 +476,13 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
     _check_options(opts)
     from ray_diloco.components.storage import Location
 
-    if Location(opts.out, "--out").read_bytes("manifest.json") is not None:
+    out = opts.flag("out")
+    if Location(opts.out, out).read_bytes("manifest.json") is not None:
         raise DataError(
-            f"--out {opts.out!r}: already holds a prepared store (manifest.json); choose another --out or delete it"
+            f"{out} {opts.out!r}: already holds a prepared store (manifest.json); choose another {out} or delete it"
         )
     make, desc = _source(opts)  # a missing or empty source fails before Ray starts
-    started = _init_ray(address)
+    started = _init_ray(address, opts.flag("address"))
     try:
         ctx = DataContext.get_current()
         ctx.execution_options.preserve_order = True  # shards in source order: a rerun continues them
@@ -494,7 +505,7 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
     import ray
 
     column = "text" if desc["lines"] else opts.text_field
-    writer = StoreWriter(opts.out, 1 << 16, opts.shard_tokens)  # vocabulary set below
+    writer = StoreWriter(opts.out, 1 << 16, opts.shard_tokens, field=opts.flag("out"))  # vocabulary set below
     tok = _tokenizer_for(opts, writer, make, column)
     from ray_diloco.components.token_store import dtype_for
 
@@ -525,6 +536,7 @@ def _run(opts: PrepareOptions, make: Any, desc: dict[str, Any]) -> dict[str, Any
             "lines": desc["lines"],
             "val_fraction": opts.val_fraction if opts.val_split == "hash" else 0.0,  # tail: at finish
             "dtype": writer.dtype.str,
+            "field": opts.flag("text_field"),
         },
     )
     _consume(ds, writer, desc, cursor, opts)

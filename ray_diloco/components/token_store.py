@@ -78,10 +78,11 @@ class StoreWriter:
     ``prepare-state.npz``. :meth:`finish` writes the last shards, the tokenizer and the manifest.
     """
 
-    def __init__(self, out: str, vocab_size: int, shard_tokens: int = SHARD_TOKENS, fingerprint: str = ""):
+    def __init__(self, out: str, vocab_size: int, shard_tokens: int = SHARD_TOKENS, fingerprint: str = "",
+                 field: str = "--out"):  # fmt: skip
         if shard_tokens < 1:
             raise DataError(f"--shard-tokens = {shard_tokens}: must be at least 1")
-        self.loc = Location(out, "--out")
+        self.loc = Location(out, field)  # errors call the store ``field``
         self.vocab_size, self.dtype, self.shard_tokens = vocab_size, dtype_for(vocab_size), shard_tokens
         self.fingerprint = fingerprint
         self.shards: dict[str, list[dict]] = {s: [] for s in SPLITS}
@@ -212,7 +213,9 @@ class StoreWriter:
             e = self.shards["train"].pop()
             raw = self.loc.read_bytes(e["file"])
             if raw is None or len(raw) != e["tokens"] * self.dtype.itemsize:
-                raise DataError(f"--out {self.loc.where!r}: {e['file']} is missing or was changed while prepare ran")
+                raise DataError(
+                    f"{self.loc.field} {self.loc.where!r}: {e['file']} is missing or was changed while prepare ran"
+                )
             back.insert(0, np.frombuffer(raw, dtype=self.dtype))
             replaced.append(e["file"])
             have += e["tokens"]

@@ -274,7 +274,7 @@ def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_co
     into the cache (issue 28 item 4: one pipeline, two executors): with the same tokenizer, its
     splits hold the tokens of the in-process path (the tail split applied by the store writer);
     the manifest records the split and the window order, which the splits carry; a second load
-    reads the cache."""
+    reads the cache; a missing text field is named as the run's field (``data.text_field``)."""
     from ray_diloco.components.data import load_corpus
     from ray_diloco.components.text import char_tokenizer
     from ray_diloco.config import DataConfig
@@ -296,3 +296,7 @@ def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_co
     with caplog.at_level(logging.INFO, logger="ray_diloco.components.data"):
         again = load_corpus(DataConfig(cache_dir=str(tmp_path / "c2"), in_process_bytes=0, **cfg))
     assert again.fingerprint == big.fingerprint and "Ray Data" not in caplog.text
+    # prepare's errors name the run's fields here, not prepare's flags
+    with pytest.raises(DataError, match=r"data.text_field 'nope': not a column") as e:
+        load_corpus(DataConfig(cache_dir=str(tmp_path / "c3"), in_process_bytes=0, **{**cfg, "text_field": "nope"}))
+    assert "--" not in str(e.value), e.value
