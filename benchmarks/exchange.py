@@ -224,11 +224,11 @@ def measure_sync(params: int, replicas: int, fmt: str, outer_steps: int, corpus,
     import ray
 
     from ray_diloco.runtime.cluster import all_workers
-    from ray_diloco.runtime.launcher import _new_run_dir
+    from ray_diloco.runtime.launcher import new_run_dir
     from ray_diloco.runtime.trainer import Trainer
 
     cfg = _config(params, replicas, fmt, outer_steps, out_dir, shards, backup, cpus, model, H)
-    t = Trainer(cfg, _new_run_dir(cfg), corpus, None if model else BigModelFn(params, step_s, compute_s))
+    t = Trainer(cfg, new_run_dir(cfg), corpus, None if model else BigModelFn(params, step_s, compute_s))
     t.start()
     try:
         workers = all_workers(t.replicas)
