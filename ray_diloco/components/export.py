@@ -153,22 +153,6 @@ def write_hf_weights(
     return names
 
 
-def write_pretrained(
-    cfg: Config,
-    fragments: list[Fragment],
-    params: list[np.ndarray],
-    vocab_size: int,
-    out_dir: Path,
-    tokenizer: Any = None,
-    dtype: torch.dtype = torch.float32,
-) -> None:
-    """A transformers checkpoint of a preset model without building the model (nor importing its
-    modelling code, nor initialising its weights): :func:`write_hf_config` and
-    :func:`write_hf_weights`."""
-    write_hf_config(cfg, vocab_size, out_dir, tokenizer, dtype)
-    write_hf_weights(fragments, params, out_dir, dtype)
-
-
 def _save_tokenizer(tokenizer: Any, out_dir: Path, context: int) -> None:
     """``save_pretrained`` with ``model_max_length`` = the model's context (tokens), so that
     ``tok(text, truncation=True)`` keeps inputs within the positions the model has."""

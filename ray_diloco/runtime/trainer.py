@@ -74,7 +74,6 @@ class Trainer:
         mirror: Mirror | None = None,
         on_outer_step: Callable[[dict[str, Any]], None] | None = None,
     ):
-        self.user_cfg = cfg
         self.resolved = resolved or ResolvedRun.resolve(cfg)
         self.cfg = self.resolved.apply(cfg)  # config.yaml and checkpoints record the model trained, not a preset
         self.run_dir, self.corpus, self.model_fn = run_dir, corpus, model_fn

@@ -39,7 +39,7 @@ def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(fam
     streaming fragments find each family's blocks."""
     from transformers import AutoModelForCausalLM
 
-    from ray_diloco.components.export import write_pretrained
+    from ray_diloco.components.export import write_hf_config, write_hf_weights
     from ray_diloco.config import load_config
     from ray_diloco.core.fragments import block_index, flatten, param_specs, plan_fragments
 
@@ -51,7 +51,8 @@ def test_every_family_exports_and_loads_in_transformers_with_the_same_logits(fam
     assert sorted({block_index(s.name) for s in specs} - {None}) == [0, 1, 2]
     frags = plan_fragments(specs, 3)
     named = dict(model.named_parameters())
-    write_pretrained(cfg, frags, [flatten(named, f).detach().numpy() for f in frags], 50, tmp_path)
+    write_hf_config(cfg, 50, tmp_path)  # without building the model: its config, then its weights
+    write_hf_weights(frags, [flatten(named, f).detach().numpy() for f in frags], tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert type(loaded) is type(model)
     x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
