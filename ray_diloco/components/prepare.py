@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ray_diloco.components.address import connect_ray
-from ray_diloco.components.text import EOS, char_tokenizer, encode_documents, file_type
+from ray_diloco.components.text import build_prepare_tokenizer, encode_documents, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
 from ray_diloco.errors import DataError
 from ray_diloco.log import causes, error_line
@@ -245,37 +245,6 @@ def _sample(
         if close is not None:
             close()
     return out
-
-
-def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
-    """The tokenizer of a prepare: ``char`` (the sample's characters, ``<unk>`` for the rest, and
-    an EOS), ``bpe`` (trained on the sample), or a name / directory / tokenizer.json file.
-
-    Raises:
-        DataError: it cannot be built or loaded.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    from ray_diloco.components.text import bpe_tokenizer
-    from ray_diloco.config import DataConfig
-
-    if name == "char":
-        return char_tokenizer(sample, specials=True)
-    if name == "bpe":
-        if not sample:
-            raise DataError("prepare: no text in the source to train the BPE tokenizer on")
-        return bpe_tokenizer(sample, bpe_vocab_size)
-    if name.endswith(".json") and Path(name).expanduser().is_file():
-        fast = PreTrainedTokenizerFast(tokenizer_file=str(Path(name).expanduser()))
-        eos = next(
-            (t for t in (EOS, "</s>", "<eos>") if fast.convert_tokens_to_ids(t) not in (None, fast.unk_token_id)), None
-        )
-        if eos is not None:
-            fast.eos_token = eos
-        return fast
-    from ray_diloco.components.text import build_tokenizer
-
-    return build_tokenizer(DataConfig(tokenizer=name), [])
 
 
 class Tokenize:

@@ -189,6 +189,32 @@ def build_tokenizer(cfg: DataConfig, texts: list[str]):
         ) from None
 
 
+def build_prepare_tokenizer(name: str, sample: list[str], bpe_vocab_size: int):
+    """The tokenizer of a prepare: ``char`` (the sample's characters, ``<unk>`` for the rest, and
+    an EOS), ``bpe`` (trained on the sample), or a name / directory / tokenizer.json file.
+
+    Raises:
+        DataError: it cannot be built or loaded.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if name == "char":
+        return char_tokenizer(sample, specials=True)
+    if name == "bpe":
+        if not sample:
+            raise DataError("prepare: no text in the source to train the BPE tokenizer on")
+        return bpe_tokenizer(sample, bpe_vocab_size)
+    if name.endswith(".json") and Path(name).expanduser().is_file():
+        fast = PreTrainedTokenizerFast(tokenizer_file=str(Path(name).expanduser()))
+        eos = next(
+            (t for t in (EOS, "</s>", "<eos>") if fast.convert_tokens_to_ids(t) not in (None, fast.unk_token_id)), None
+        )
+        if eos is not None:
+            fast.eos_token = eos
+        return fast
+    return build_tokenizer(DataConfig(tokenizer=name), [])
+
+
 def encode_documents(tok: Any, texts: Sequence[str | None], eos_id: int | None, lines: bool = False) -> list[list[int]]:
     """Token ids of each document of ``texts`` with the ``tokenizers.Tokenizer`` ``tok`` (no
     special tokens added), :data:`EOS` (``eos_id``) after each non-empty one; with ``lines``
