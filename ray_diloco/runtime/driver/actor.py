@@ -99,7 +99,7 @@ class OuterDriver:
         backup = self.shards.k > 1 and c.diloco.outer_shard_backup
         self.copies = Copies(self.shards, backup, wire_format(c.streaming.quantization).raw)
         self.recovery = Recovery(self.shards, self.book, self.health, self.copies)
-        self.files = DriverFiles(self)
+        self.files = DriverFiles(self.state_dict, self.read_unit, self.init_global, self.load_state_dict)
         self.rounds = Rounds(self.book, self.recovery, self.copies, self.frags, self.health)
         self._pending_init: list[Any] = []  # the shard actors' init_global calls (every caller awaits them)
         if initial is not None:

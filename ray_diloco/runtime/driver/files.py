@@ -5,6 +5,7 @@ parameters)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,18 @@ class DriverFiles:
     """The driver's checkpoint and export files, written and read from its own process (the job's
     never holds the global parameters).
 
-    Args:
-        driver: the :class:`~ray_diloco.runtime.driver.actor.OuterDriver` whose public calls
-            give and take the state (``state_dict``, ``read_unit``, ``init_global``,
-            ``load_state_dict``).
+    Args (the driver's calls that give and take the state, coroutines of its event loop):
+        state_dict: the whole outer state (``OuterDriver.state_dict``).
+        read_unit: ``(unit, start, stop)`` -> fp32 values of an exchange unit (``OuterDriver.read_unit``).
+        init_global, load_state_dict: set the global parameters, then the rest of a state.
     """
 
-    def __init__(self, driver: Any):
-        self.driver = driver
+    def __init__(self, state_dict: Callable[[], Coroutine[Any, Any, dict[str, Any]]],
+                 read_unit: Callable[[int, int, int], Coroutine[Any, Any, np.ndarray]],
+                 init_global: Callable[[list[Any]], Awaitable[None]],
+                 load_state_dict: Callable[[dict[str, Any]], Awaitable[None]]):  # fmt: skip
+        self.state_dict, self.read_unit = state_dict, read_unit
+        self.init_global, self.load_state_dict = init_global, load_state_dict
 
     async def save_state(self, path: str, token: str | None, upload: str | None) -> dict[str, Any]:
         """See :meth:`OuterDriver.save_state`."""
@@ -34,7 +39,7 @@ class DriverFiles:
         node, loop = ray.get_runtime_context().get_node_id(), asyncio.get_running_loop()
 
         def state() -> dict[str, Any]:  # on the writing thread: the state is gathered on the event loop
-            return asyncio.run_coroutine_threadsafe(self.driver.state_dict(), loop).result()
+            return asyncio.run_coroutine_threadsafe(self.state_dict(), loop).result()
 
         return await asyncio.to_thread(write_own_file, Path(path), token, state, upload, node)
 
@@ -54,7 +59,7 @@ class DriverFiles:
 
         def read(i: int, start: int, stop: int) -> np.ndarray:  # on the writer's thread
             def part(rank: int, a: int, b: int) -> np.ndarray:
-                return asyncio.run_coroutine_threadsafe(self.driver.read_unit(i * units + rank, a, b), loop).result()
+                return asyncio.run_coroutine_threadsafe(self.read_unit(i * units + rank, a, b), loop).result()
 
             return read_fragment_range(fragments[i], units, part, start, stop)
 
@@ -68,6 +73,6 @@ class DriverFiles:
         state = await asyncio.to_thread(read_own_state, entry, checkpoint_id)
         if state is None:
             return False
-        await self.driver.init_global(state["global"])
-        await self.driver.load_state_dict(state)
+        await self.init_global(state["global"])
+        await self.load_state_dict(state)
         return True
