@@ -361,7 +361,13 @@ class CacheEntry:
 
 
 #: What prepare's errors call its options when it tokenises a big ``data.path`` file: the run's fields.
-RUN_FIELDS = {"text_field": "data.text_field", "out": "data.cache_dir", "address": "run.address"}
+RUN_FIELDS = {
+    "text_field": "data.text_field",
+    "out": "data.cache_dir",
+    "address": "run.address",
+    "bpe_vocab_size": "data.bpe_vocab_size",
+    "val_fraction": "data.val_fraction",
+}
 
 
 def _prepare_entry(cfg: DataConfig, path: Path, tokenizer: Any, out: Path, address: str | None) -> None:

@@ -303,13 +303,13 @@ class Tokenize:
 def _check_options(o: PrepareOptions) -> None:
     problems = []
     if not 0 <= o.val_fraction < 1:
-        problems.append(f"--val-fraction = {o.val_fraction}: must be in [0, 1)")
+        problems.append(f"{o.flag('val_fraction')} = {o.val_fraction}: must be in [0, 1)")
     if o.val_split not in ("hash", "tail"):
         problems.append(f"--val-split = {o.val_split!r}: must be hash or tail")
     if o.shard_tokens < 1024:
         problems.append(f"--shard-tokens = {o.shard_tokens}: must be at least 1024")
     if o.bpe_vocab_size < 260:
-        problems.append(f"--bpe-vocab-size = {o.bpe_vocab_size}: must be at least 260 (256 bytes and merges)")
+        problems.append(f"{o.flag('bpe_vocab_size')} = {o.bpe_vocab_size}: must be at least 260 (256 bytes and merges)")
     if o.actors is not None and o.actors < 1:
         problems.append(f"--actors = {o.actors}: must be at least 1")
     if bool(o.sources) == bool(o.dataset):

@@ -386,7 +386,7 @@ class OuterOptimizer:
             raise ValueError(f"checkpoint has {len(state['global'])} fragments, expected {n}")
         residuals, versions = state.get("residuals") or [None] * n, state.get("versions", [0] * n)
         for f, g, o, k, r, v in zip(self.fragments, state["global"], state["optimizers"], state["steps"], residuals,
-                                    versions):  # fmt: skip
+                                    versions, strict=True):  # fmt: skip
             with torch.no_grad():
                 f.param.copy_(torch.from_numpy(np.array(g, dtype=np.float32, copy=True)))
             f.opt.load_state_dict(o)

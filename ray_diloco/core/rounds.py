@@ -132,7 +132,7 @@ class RoundBook:
         """Versions, newest finished send step per fragment and unreported stats from a checkpoint."""
         if len(self.fragments) != len(versions):
             self.set_fragments(len(versions))
-        for f, v, c in zip(self.fragments, versions, completed):
+        for f, v, c in zip(self.fragments, versions, completed, strict=True):
             f.version, f.last_finished = int(v), int(c)
         self.stats = list(stats)
 

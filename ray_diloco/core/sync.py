@@ -479,7 +479,7 @@ class FragmentSync:
         """Restore :meth:`state_dict` (older checkpoints: missing keys and 5-column pending rows).
         Call after :meth:`load_global`: syncs that were in flight at the checkpoint merge the
         global values loaded, at their original merge step."""
-        for h, last in zip(self.held, state.get("last_send", [0] * len(self.held))):
+        for h, last in zip(self.held, state.get("last_send", [0] * len(self.held)), strict=True):
             h.last_send = int(last)
         self.pending = []
         for p in state.get("pending", []):

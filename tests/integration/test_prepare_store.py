@@ -300,3 +300,7 @@ def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_co
     with pytest.raises(DataError, match=r"data.text_field 'nope': not a column") as e:
         load_corpus(DataConfig(cache_dir=str(tmp_path / "c3"), in_process_bytes=0, **{**cfg, "text_field": "nope"}))
     assert "--" not in str(e.value), e.value
+    with pytest.raises(DataError, match=r"data.bpe_vocab_size = 100: must be at least 260") as e:
+        load_corpus(DataConfig(cache_dir=str(tmp_path / "c3"), in_process_bytes=0,
+                               **{**cfg, "tokenizer": "bpe", "bpe_vocab_size": 100}))  # fmt: skip
+    assert "--" not in str(e.value), e.value
