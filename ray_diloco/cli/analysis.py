@@ -246,6 +246,10 @@ def _chip_problems(tflops: float | None, mfu: float | None) -> list[str]:
     return bad
 
 
+#: Largest ``--layers`` the simulator takes: its run time grows with the layers.
+MAX_LAYERS = 10_000
+
+
 def _simulate_problems(a: argparse.Namespace) -> list[str]:
     """One line per invalid ``simulate`` option."""
     bad = []
@@ -267,6 +271,11 @@ def _simulate_problems(a: argparse.Namespace) -> list[str]:
     ):
         if v < low:
             bad.append(f"{name} = {v}: must be an integer >= {low}")
+    if a.layers > MAX_LAYERS:
+        bad.append(
+            f"--layers = {a.layers}: must be at most {MAX_LAYERS:,} (the simulator walks every layer's "
+            "backward; the largest published models have about 100-200)"
+        )
     if not (math.isfinite(a.latency_ms) and a.latency_ms >= 0):
         bad.append(f"--latency-ms = {a.latency_ms}: must be a finite number >= 0")
     if a.bits is not None and not (math.isfinite(a.bits) and 0 < a.bits <= 64):

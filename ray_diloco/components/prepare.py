@@ -39,6 +39,7 @@ import numpy as np
 from ray_diloco.components.address import connect_ray
 from ray_diloco.components.text import build_prepare_tokenizer, encode_documents, file_type
 from ray_diloco.components.token_store import SHARD_TOKENS, StoreWriter
+from ray_diloco.config.schema import BPE_VOCAB_RULE, MIN_BPE_VOCAB
 from ray_diloco.errors import DataError
 from ray_diloco.log import causes, error_line
 
@@ -308,8 +309,8 @@ def _check_options(o: PrepareOptions) -> None:
         problems.append(f"--val-split = {o.val_split!r}: must be hash or tail")
     if o.shard_tokens < 1024:
         problems.append(f"--shard-tokens = {o.shard_tokens}: must be at least 1024")
-    if o.bpe_vocab_size < 260:
-        problems.append(f"{o.flag('bpe_vocab_size')} = {o.bpe_vocab_size}: must be at least 260 (256 bytes and merges)")
+    if o.bpe_vocab_size < MIN_BPE_VOCAB:
+        problems.append(f"{o.flag('bpe_vocab_size')} = {o.bpe_vocab_size}: {BPE_VOCAB_RULE}")
     if o.actors is not None and o.actors < 1:
         problems.append(f"--actors = {o.actors}: must be at least 1")
     if bool(o.sources) == bool(o.dataset):
@@ -339,11 +340,37 @@ def _data_error(e: BaseException | None) -> DataError | None:
     return None
 
 
-def _failure(e: BaseException) -> DataError:
+def _failure(e: BaseException, files: list[str]) -> DataError:
     """One line for a prepare that failed in Ray: the innermost error that is not Ray's own
-    (a JSON row that does not parse, bytes that are not UTF-8), not Ray Data's retry advice."""
+    (a JSON row that does not parse), not Ray Data's retry advice; bytes that are not UTF-8 (whose
+    error Ray's retry wrapper garbles) name the first such local file of ``files`` and the offset."""
     inner = [c for c in causes(e) if not type(c).__module__.startswith("ray")]
+    if any(isinstance(c, UnicodeDecodeError) for c in inner) and (where := _not_utf8(files)):
+        return DataError(f"prepare failed: {where}")
     return DataError(f"prepare failed: {error_line(inner[-1] if inner else e, limit=300)}")
+
+
+def _not_utf8(files: list[str]) -> str | None:
+    """``file: not UTF-8 text (...)`` for the first local file in ``files`` that does not decode
+    (read in 16 MiB pieces); None when none does or a file is remote."""
+    import codecs
+
+    for name in files:
+        path = Path(name)
+        if "://" in name or not path.is_file():
+            return None
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as u:
+                    return (
+                        f"{name}: not UTF-8 text (near byte {max(0, offset + u.start):,}: {u.reason}); "
+                        "convert it (iconv -f ENCODING -t UTF-8) or leave it out"
+                    )
+                offset += len(chunk)
+    return None
 
 
 def _source(opts: PrepareOptions) -> tuple[Any, dict[str, Any]]:
@@ -464,7 +491,7 @@ def prepare_store(opts: PrepareOptions, address: str | None = None) -> dict[str,
         err = _data_error(e)
         if err is not None:
             raise err from None
-        raise _failure(e) from None
+        raise _failure(e, desc.get("files", [])) from None
     finally:
         if started:
             ray.shutdown()

@@ -31,10 +31,12 @@ from ray_diloco.config.presets import (
 )
 from ray_diloco.config.schema import (
     ALGORITHMS,
+    BPE_VOCAB_RULE,
     CLOSING_ROUNDS,
     FAMILIES,
     JOIN_INNER_STATES,
     MAX_STEPS,
+    MIN_BPE_VOCAB,
     OUTER_OPTIMIZERS,
     PATTERNS,
     PRECISIONS,
@@ -75,6 +77,8 @@ __all__ = [
     "SHARDINGS",
     "LEGACY_PRESETS",
     "MAX_STEPS",
+    "MIN_BPE_VOCAB",
+    "BPE_VOCAB_RULE",
     "OUTER_OPTIMIZERS",
     "PATTERNS",
     "PRECISIONS",

@@ -47,6 +47,9 @@ PRESET_NAMES: tuple[str, ...] = typing.get_args(PresetName)
 
 #: Most inner steps one run may have (more is a typo or an overflowing token budget).
 MAX_STEPS = 10**9
+#: Smallest byte-level BPE vocabulary: the 256 bytes and a few merges (both data paths refuse less).
+MIN_BPE_VOCAB = 260
+BPE_VOCAB_RULE = f"must be at least {MIN_BPE_VOCAB} (256 bytes and merges)"
 
 
 @dataclass

@@ -16,11 +16,13 @@ from typing import Any
 from ray_diloco.config.presets import PRESETS, resolve_model_shape
 from ray_diloco.config.schema import (
     ALGORITHMS,
+    BPE_VOCAB_RULE,
     CLOSING_ROUNDS,
     COMPILE_MODES,
     FAMILIES,
     JOIN_INNER_STATES,
     MAX_STEPS,
+    MIN_BPE_VOCAB,
     OUTER_OPTIMIZERS,
     PATTERNS,
     PRECISIONS,
@@ -220,7 +222,7 @@ def _check_data(cfg: Config, e: list[str]) -> None:
     dc = cfg.data
     _need(e, dc.seq_len >= 1, "data.seq_len", dc.seq_len, "must be an integer >= 1")
     _need(e, 0 < dc.val_fraction < 1, "data.val_fraction", dc.val_fraction, "must be in (0, 1)")
-    _need(e, dc.bpe_vocab_size >= 32, "data.bpe_vocab_size", dc.bpe_vocab_size, "must be >= 32")
+    _need(e, dc.bpe_vocab_size >= MIN_BPE_VOCAB, "data.bpe_vocab_size", dc.bpe_vocab_size, BPE_VOCAB_RULE)
     _need(e, dc.max_documents is None or dc.max_documents >= 1, "data.max_documents", dc.max_documents, "must be >= 1")
     _need(e, dc.in_process_bytes >= 0, "data.in_process_bytes", dc.in_process_bytes, "must be >= 0")
     if dc.prepared is not None and (dc.path is not None or dc.dataset is not None):

@@ -75,10 +75,10 @@ class Checkpointer:
                 calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
         for key, w, own, full, ref in calls:
             if not ray.get(ref):  # this worker's node does not see the run directory: through the job
-                logger.warning(f"note: worker {key} does not see its checkpoint file: it is read here and sent")
-                own, full = (
+                own, full = (  # a damaged file fails here (the worker took it for another node's), with no note
                     read_state_file(Path(x["file"])) if x is not None and "file" in x else x for x in (own, full)
                 )
+                logger.warning(f"note: worker {key} does not see its checkpoint file: it was read here and sent")
                 ray.get(w.restore_state.remote(own, full, cid))
 
     def write(self, st: RunState, fragments: list[Fragment]) -> Path:

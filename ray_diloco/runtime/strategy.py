@@ -237,8 +237,8 @@ class DiLoCoSync(SyncStrategy):
             else:  # not visible from the driver's node: read here, sent
                 from ray_diloco.components.checkpoint import read_state_file
 
-                logger.warning(f"note: the outer-optimiser driver does not see {outer['file']}: it is read here")
-                outer = read_state_file(Path(outer["file"]))
+                outer = read_state_file(Path(outer["file"]))  # a damaged file fails here, with no note
+                logger.warning(f"note: the outer-optimiser driver does not see {rs['outer']['file']}: it was read here")
         if outer is not None or rs is None:
             initial = (
                 outer["global"]

@@ -154,6 +154,15 @@ def test_train_eval_generate_then_stop_kill_and_resume_match_the_uninterrupted_r
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray processes it started
     proc.communicate()
     assert not (run_dir / "summary.json").exists()
+    # a worker's file cut short: one line naming it, no note that the worker does not see it (the
+    # job read it after the worker took it for another node's); put back, the resume below is exact
+    cut = sorted((run_dir / "checkpoints").iterdir())[-1] / "worker-1-0.pt"
+    whole = cut.read_bytes()
+    cut.write_bytes(whole[:1000])
+    damaged = run_main(["train", "--resume", str(run_dir)], env={"RAY_ADDRESS": ray_address})
+    one_error_line(damaged, str(cut), "corrupt or unreadable")
+    assert "does not see" not in damaged.stderr, damaged.stderr
+    cut.write_bytes(whole)
     resumed = run_cli(["train", "--resume", str(run_dir)], env={"RAY_ADDRESS": ray_address})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = rows, read_metrics(run_dir)

@@ -129,6 +129,13 @@ def test_bad_sources_are_one_line_errors(ray_session, tmp_path):
     line = one_error_line(run_main(["prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "b"),
                                     "--tokenizer", "char", "--no-progress"]), "prepare failed: ")  # fmt: skip
     assert "retr" not in line and "JSON" in line.upper(), line
+    # bytes that are not UTF-8, in the second of two files: that file and the offset (Ray garbles the error's text)
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("fine text\n" * 50)
+    (tmp_path / "txt" / "b.txt").write_bytes(b"more text\n" * 30 + b"\xff\xfe latin-1?\n")
+    one_error_line(run_main(["prepare", str(tmp_path / "txt"), "--out", str(tmp_path / "u"), "--tokenizer", "char",
+                             "--no-progress"]),
+                   f"prepare failed: {tmp_path / 'txt' / 'b.txt'}: not UTF-8 text (near byte 300: invalid start byte)")
     # RAY_ADDRESS (joined as under ray job submit) where nothing answers: one line at once, out of
     # process (this one has joined the session's cluster already)
     r = run_cli(["prepare", str(SHAKESPEARE), "--out", str(tmp_path / "s")], timeout=60,

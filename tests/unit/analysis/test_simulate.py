@@ -112,6 +112,8 @@ def test_simulate_cli_paper_table_json_and_plot(tmp_path):
     bad = run_main(["simulate", "--target", "95"])
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: --target = 95.0: must be a utilisation in (0, 1), for example 0.95"
+    huge = run_main(["simulate", "--layers", "1000000000"])  # would walk 1e9 layers (minutes) without the bound
+    assert huge.returncode == 2 and huge.stderr.strip().startswith("error: --layers = 1000000000: must be at most 10,000")
 
 
 def test_plan_wall_clock_uses_the_runs_method_and_wire_size():

@@ -89,6 +89,14 @@ def test_a_set_value_of_the_wrong_type_does_not_hide_the_other_problems():
     assert e.value.problems == ["inner.lr = 'abc': expected float", "diloco.H = 0: must be an integer >= 1"]
 
 
+def test_a_bpe_vocabulary_below_the_bytes_is_refused_for_every_data_path():
+    """The in-process tokeniser used to train a 257-token vocabulary for 100 where prepare's refused it."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["data.tokenizer=bpe", "data.bpe_vocab_size=100"])
+    assert e.value.problems == ["data.bpe_vocab_size = 100: must be at least 260 (256 bytes and merges)"]
+    assert load_config(None, ["data.bpe_vocab_size=260"]).data.bpe_vocab_size == 260
+
+
 @pytest.mark.parametrize("value", ["none", "None", "null", "[]", ""])
 def test_an_empty_list_from_the_command_line(value):
     assert load_config(None, [f"tracking.tags={value}"]).tracking.tags == []
