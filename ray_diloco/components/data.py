@@ -41,9 +41,9 @@ Split = np.ndarray | TokenSplit
 
 def window_order(tokens: Split) -> str:
     """The order a :class:`ShardReader` reads ``tokens``' windows in: a store's split says it (its
-    manifest's ``order``: ``feistel`` from ``prepare``'s pipeline, ``legacy`` for a small file's cache entry); an
-    array tokenised in this process is read in the ``legacy`` order."""
-    return tokens.order if isinstance(tokens, TokenSplit) else "legacy"
+    manifest's ``order``: ``feistel`` from ``prepare``'s pipeline, ``strided`` for a small file's cache entry); an
+    array tokenised in this process is read in the ``strided`` order."""
+    return tokens.order if isinstance(tokens, TokenSplit) else "strided"
 
 
 @dataclass
@@ -253,7 +253,7 @@ class CacheEntry:
     :class:`~ray_diloco.components.token_store.TokenSplit` s read by the same :class:`ShardReader`.
 
     A file up to ``data.in_process_bytes`` is tokenised in this process, its tail ``val_fraction``
-    held out, window order ``legacy``; a bigger one by ``prepare``'s pipeline (Ray Data on the
+    held out, window order ``strided``; a bigger one by ``prepare``'s pipeline (Ray Data on the
     cluster at ``address``, or a Ray of its own), in that pipeline's window order (``feistel``)
     and reading rules (a text file a row per line; ``char``/``bpe`` from a sample), keyed apart.
     An entry is written under a temporary name and renamed whole (:meth:`publish`: two runs
@@ -346,7 +346,7 @@ class CacheEntry:
                 raise type(e)(f"data.path = {str(path)!r} (tokenised with Ray Data): {e}") from None
             return _from_cache(TokenStore(str(self.dir), "data.cache_dir"), self.tokenizer)
         ids, tok = _stream(cfg, self.tokenizer)
-        meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "legacy",
+        meta = {"split": {"method": "tail", "val_fraction": cfg.val_fraction}, "order": "strided",
                 "source": {"path": str(path), "cache_key": self.key}}  # fmt: skip
         try:
             self.publish(lambda work: write_store(str(work), tok, ids, None, meta, vocab_size=len(tok),
@@ -457,7 +457,7 @@ class ShardReader:
     """Reads batches of packed windows for one shard (one (replica, rank) pair).
 
     ``tokens`` is a :data:`Split`; :func:`window_order` of it picks the window order:
-    ``legacy`` (default for arrays: the epoch's ``numpy`` permutation of every window, shard ``s``
+    ``strided`` (default for arrays: the epoch's ``numpy`` permutation of every window, shard ``s``
     reads ``perm[s::S]``) or ``feistel`` (prepared stores: window ``perm(pos * S + s)`` of a keyed
     Feistel permutation computed per index, nothing of the corpus's size is built). Both give
     every shard disjoint windows within an epoch.

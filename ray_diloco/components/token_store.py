@@ -231,6 +231,13 @@ class StoreWriter:
 # reading
 
 
+#: The window orders a manifest may name, as the reader calls them (``ShardReader`` in
+#: components/data.py): ``feistel`` (``prepare``'s pipeline: a keyed permutation computed per
+#: index) and ``strided`` (a corpus tokenised in process: one numpy permutation per epoch, shard
+#: ``s`` of ``S`` reading ``perm[s::S]``), which manifests written before it had a name call ``legacy``.
+ORDERS = {"feistel": "feistel", "strided": "strided", "legacy": "strided"}
+
+
 class TokenStore:
     """A finished store, opened by its manifest (nothing else is read until a split is used).
 
@@ -314,7 +321,7 @@ class TokenStore:
             m["dtype"],
             m["chunk_bytes"],
             self.field,
-            order=m.get("order", "feistel"),
+            order=ORDERS.get(m.get("order", "feistel"), "feistel"),
             cache_bytes=self.cache_bytes,
         )
 
@@ -323,7 +330,7 @@ class TokenSplit:
     """One split as a read-only 1-D token array over its shards: ``len(s)`` tokens, ``s[a:b]`` a
     numpy array (the store's dtype) copied out of the shards; windows may cross shard boundaries.
 
-    ``order`` is the window order a reader uses on it (``feistel`` or ``legacy``). Pickled, it is
+    ``order`` is the window order a reader uses on it (:data:`ORDERS`). Pickled, it is
     its address only (unless :meth:`materialize` loaded it into memory).
 
     Raises (on reading):

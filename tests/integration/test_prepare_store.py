@@ -295,7 +295,7 @@ def test_a_big_data_path_file_goes_through_the_prepare_pipeline_into_the_same_co
     big = load_corpus(DataConfig(cache_dir=str(tmp_path / "c2"), in_process_bytes=0, **cfg))
     np.testing.assert_array_equal(np.asarray(big.train), np.asarray(small.train))
     np.testing.assert_array_equal(np.asarray(big.val), np.asarray(small.val))
-    assert (small.train.order, big.train.order) == ("legacy", "feistel")
+    assert (small.train.order, big.train.order) == ("strided", "feistel")
     (entry,) = (tmp_path / "c2" / "tokens").iterdir()
     m = json.loads((entry / "manifest.json").read_text())
     assert m["split"] == {"method": "tail", "val_fraction": 0.1} and m["order"] == "feistel"

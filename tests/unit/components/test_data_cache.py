@@ -58,13 +58,19 @@ def test_cached_tokens_equal_tokenising_in_process_and_a_second_load_reads_the_e
         np.testing.assert_array_equal(c.train.to_array(), ref.train)
         np.testing.assert_array_equal(c.val.to_array(), ref.val)
         assert c.fingerprint == ref.fingerprint  # checkpoints made before the cache resume
-        assert c.vocab_size == ref.vocab_size and c.train.order == "legacy"
+        assert c.vocab_size == ref.vocab_size and c.train.order == "strided"
         assert c.tokenizer.backend_tokenizer.to_str() == ref.tokenizer.backend_tokenizer.to_str()
     # the reader sees the same windows and batches as over the int32 arrays
     for a, b in ((ShardReader(second.train, 16, 1, 3, seed=5), ShardReader(ref.train, 16, 1, 3, seed=5)),):
         for _ in range(4):
             (xa, ya, ia), (xb, yb, ib) = a.next_batch(7), b.next_batch(7)
             assert np.array_equal(ia, ib) and xa.equal(xb) and ya.equal(yb)
+    # an entry written while the strided order was called legacy reads the same windows
+    manifest = tmp_path / "cache" / "tokens" / entries(tmp_path / "cache")[0] / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"order": "strided"', '"order": "legacy"'))
+    assert '"order": "legacy"' in manifest.read_text()
+    old = load_corpus(cfg)
+    assert old.train.order == "strided" and old.fingerprint == ref.fingerprint
     # it reaches a worker by value (an in-memory split), not as a path on this machine's disk
     back = pickle.loads(pickle.dumps(second.train))
     np.testing.assert_array_equal(back.to_array(), ref.train)
@@ -176,7 +182,7 @@ def test_an_entry_finished_by_another_run_first_is_used(src, tmp_path, monkeypat
     monkeypatch.setattr(D.os, "rename", race)
     c = load_corpus(cfg)
     assert entries(tmp_path / "cache") == [cache_key(cfg, src)]
-    assert c.train.order == "legacy" and c.fingerprint == D._tokenized(cfg, None).fingerprint
+    assert c.train.order == "strided" and c.fingerprint == D._tokenized(cfg, None).fingerprint
     assert not [p for p in (tmp_path / "cache" / "tokens").iterdir() if p.name.startswith(".")]  # no temp left
 
 
