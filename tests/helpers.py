@@ -43,6 +43,20 @@ def tiny_overrides(tmp_path: Path, **extra) -> dict:
     return cfg
 
 
+
+def save_tiny_model(path: Path, text: str, family: str = "llama", dtype: torch.dtype = torch.float32,
+                    tie: bool = False) -> Path:
+    """README's tiny llama (``examples/tiny_llama.py``: 2 layers, width 32, grouped-query attention,
+    RoPE base 5000, a char-level tokenizer of ``text``), saved at ``path`` as a released model is."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_llama", ROOT / "examples" / "tiny_llama.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.save_tiny_model(path, text, family, dtype, tie)
+
+
 class TorchLM(torch.nn.Module):
     """A tiny pure-torch decoder (token + position embeddings, pre-norm blocks of causal attention
     and a GELU MLP, final norm, head): ``[B, T]`` int64 ids to ``[B, T, vocab]`` fp32 logits.

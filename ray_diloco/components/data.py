@@ -87,7 +87,8 @@ def eval_split(val: Split, eval_tokens: int | None) -> Split:
 def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
     """The corpus of the store ``cfg.prepared`` (:mod:`~ray_diloco.components.token_store`):
     ``train``/``val`` are :class:`TokenSplit` s (nothing is read but the manifest and tokenizer).
-    ``tokenizer`` (a resumed run's) must be the store's.
+    ``tokenizer`` (a resumed run's), or ``data.tokenizer`` when it names one (``model.init_from``'s
+    model's), must be the store's.
 
     Raises:
         DataError: not a store, another tokenizer than the run's, a split too short for ``seq_len``.
@@ -102,6 +103,15 @@ def open_prepared(cfg: DataConfig, tokenizer: Any = None) -> Corpus:
             f"data.prepared = {cfg.prepared!r}: its tokenizer differs from the run's (tokenizer/); "
             "a run reads the store it was trained on"
         )
+    if tokenizer is None and cfg.tokenizer not in ("char", "bpe"):  # a named one: model.init_from's
+        from ray_diloco.components.text import build_tokenizer
+
+        if build_tokenizer(cfg, []).backend_tokenizer.to_str() != tok.backend_tokenizer.to_str():
+            raise DataError(
+                f"data.prepared = {cfg.prepared!r}: its tokenizer is not data.tokenizer = {cfg.tokenizer!r} "
+                "(model.init_from's unless set): vocabularies differ; prepare the store with --tokenizer "
+                f"{cfg.tokenizer}"
+            )
     train, val = store.split("train"), store.split("val")
     need = cfg.seq_len + 1
     if len(train) < 2 * need or len(val) < need:

@@ -70,15 +70,22 @@ def for_inference(config: Any, tokenizer: Any) -> None:
 def write_hf_config(
     cfg: Config, vocab_size: int, out_dir: Path, tokenizer: Any = None, dtype: torch.dtype = torch.float32
 ) -> None:
-    """``config.json`` and ``generation_config.json`` of a preset model (its transformers class and
-    shape, special tokens from ``tokenizer``, ``dtype`` the weights' dtype) into ``out_dir``,
-    without building the model."""
+    """``config.json`` and ``generation_config.json`` of the run's model (a preset's transformers
+    class and shape, or the ``model.init_from`` model's config; special tokens from ``tokenizer``,
+    ``dtype`` the weights' dtype) into ``out_dir``, without building the model."""
     from transformers import GenerationConfig
 
     from ray_diloco.models.transformer import hf_config, resolve_model_shape
 
     shape = resolve_model_shape(cfg.model, vocab_size)
-    config = hf_config(shape)
+    if shape["init_from"]:  # the source model's own config: every field, ours or not, as it was
+        from transformers import AutoConfig
+
+        from ray_diloco.config.pretrained import model_dir
+
+        config = AutoConfig.from_pretrained(model_dir(shape["init_from"]))
+    else:
+        config = hf_config(shape)
     config.architectures = [ARCHITECTURES[shape["family"]]]
     config.dtype = dtype
     for_inference(config, tokenizer)

@@ -179,6 +179,10 @@ def load_config(
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, "", nested, errors)
+    if cfg.model.init_from:
+        from ray_diloco.config.pretrained import settle_init_from
+
+        settle_init_from(cfg)
     if validate:  # a --set that could not be read keeps its old value: the other fields still get checked
         try:
             validate_config(cfg)

@@ -100,17 +100,37 @@ def pin_model_fields(cfg: _Model, recorded_before_pinning: bool = False) -> _Mod
     (:data:`LEGACY_PRESETS`). ``vocab_size`` stays as it is (None: the tokenizer's).
     """
     table = {**PRESETS, **LEGACY_PRESETS} if recorded_before_pinning else PRESETS
-    for field, value in zip(SHAPE_FIELDS, table[cfg.preset]):
+    base = _base(cfg) or dict(zip(SHAPE_FIELDS, table[cfg.preset]))
+    for field in SHAPE_FIELDS:
         if getattr(cfg, field) is None:
-            setattr(cfg, field, value)
+            setattr(cfg, field, base[field])
     return cfg
 
 
-def resolve_model_shape(cfg: ModelFields, vocab_size: int) -> dict[str, Any]:
-    """Preset values for every field of ``cfg`` left as ``None``; returns a plain dict.
+def _base(cfg: ModelFields) -> dict[str, Any] | None:
+    """The shape of ``cfg.init_from``'s model (:func:`~ray_diloco.config.pretrained.pretrained_shape`),
+    which replaces the preset's; None without one."""
+    init_from = getattr(cfg, "init_from", None)
+    if not init_from:
+        return None
+    from ray_diloco.config.pretrained import pretrained_shape
 
-    ``vocab_size`` (from the tokenizer) is used unless ``cfg.vocab_size`` is set.
+    return pretrained_shape(init_from)
+
+
+def resolve_model_shape(cfg: ModelFields, vocab_size: int) -> dict[str, Any]:
+    """Preset values (or ``model.init_from``'s model's) for every field of ``cfg`` left as ``None``;
+    returns a plain dict, with ``init_from`` (None: a preset shape).
+
+    ``vocab_size`` (from the tokenizer) is used unless ``cfg.vocab_size`` is set or the model of
+    ``init_from`` has its own.
     """
-    preset = dict(zip(SHAPE_FIELDS, PRESETS[cfg.preset]))
-    shape = {k: preset[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in SHAPE_FIELDS}
-    return {**shape, "vocab_size": vocab_size if cfg.vocab_size is None else cfg.vocab_size, "init_std": cfg.init_std}
+    pretrained = _base(cfg)
+    base = pretrained or dict(zip(SHAPE_FIELDS, PRESETS[cfg.preset]))
+    shape = {k: base[k] if getattr(cfg, k) is None else getattr(cfg, k) for k in SHAPE_FIELDS}
+    if cfg.vocab_size is not None:
+        vocab_size = cfg.vocab_size
+    elif pretrained is not None and pretrained["vocab_size"] is not None:
+        vocab_size = pretrained["vocab_size"]
+    init_from = getattr(cfg, "init_from", None) or None
+    return {**shape, "vocab_size": vocab_size, "init_std": cfg.init_std, "init_from": init_from}

@@ -84,6 +84,13 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     """Share the input embedding matrix with the LM head; None: the preset's (True for the scaling-law
     sizes, as in the paper, False for ``tiny``, ``cpu-small``, ``cpu-medium``)."""
+    init_from: str | None = None
+    """Start from a Hugging Face model's weights (continued pre-training): a local model directory
+    (``config.json`` and safetensors, as ``save_pretrained`` writes) or a hub id such as
+    ``meta-llama/Llama-3.2-1B`` (fetched once into the Hugging Face cache by the job). Its family
+    (gpt2, llama or qwen3) and shape replace ``preset``'s (a shape field set to another value is an
+    error); its tokenizer is the data's unless ``data.tokenizer`` names another than ``char``; every
+    replica starts from its weights (fp32). None: random initialisation of the preset's shape."""
 
 
 @dataclass
@@ -110,7 +117,8 @@ class DataConfig:
     max_documents: int | None = None
     """Cap on the documents read (hub streaming needs one); None: all of them."""
     tokenizer: str = "char"
-    """``char``, ``bpe`` (trained on the text), or a Hugging Face tokenizer name or local path."""
+    """``char``, ``bpe`` (trained on the text), or a Hugging Face tokenizer name or local path. With
+    ``model.init_from``, ``char`` (the default) means that model's tokenizer."""
     bpe_vocab_size: int = 4096
     """Vocabulary of the BPE tokenizer trained when ``tokenizer`` is ``bpe``."""
     seq_len: int = 64

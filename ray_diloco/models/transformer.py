@@ -73,12 +73,43 @@ def hf_config(shape: dict[str, Any]):
 
 
 def build_transformers_model(shape: dict[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
-    """Randomly initialised ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (fp32, on CPU)."""
+    """Randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (fp32,
+    on CPU), or, when ``shape["init_from"]`` names a model, that model with its weights in fp32
+    (:func:`pretrained_model`)."""
     from transformers import AutoModelForCausalLM
 
+    if shape.get("init_from"):
+        return pretrained_model(shape["init_from"])
     if vocab_size is not None and shape.get("vocab_size") is None:
         shape = {**shape, "vocab_size": vocab_size}
     return AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa")
+
+
+def pretrained_model(init_from: str) -> torch.nn.Module:
+    """The model of ``model.init_from`` (a local directory or a hub id:
+    :func:`~ray_diloco.config.pretrained.model_dir`), built from its own ``config.json`` (fields our
+    shape does not name, such as ``num_key_value_heads`` or ``rope_theta``, included) with its
+    weights in fp32 (bf16 files are widened; tied embeddings stay tied); the KV cache off, as
+    for training. Under ``torch.device("meta")`` (counting parameters) no weights are read.
+
+    Raises:
+        ConfigError: the model cannot be found or read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ray_diloco.config.pretrained import model_dir
+
+    path = model_dir(init_from)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar from every worker
+    if torch.empty(0).device.type == "meta":
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError([f"model.init_from = {init_from!r}: cannot load its weights ({e})".splitlines()[0]]) from None
+    model.config.use_cache = False
+    return model
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

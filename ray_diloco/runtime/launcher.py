@@ -351,6 +351,18 @@ def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str
                 f"{corpus.vocab_size} tokens (leave it unset to use the tokenizer's)"
             ]
         )
+    if cfg.model.init_from:
+        from ray_diloco.config.pretrained import model_dir, pretrained_shape
+
+        model_dir(cfg.model.init_from)  # a hub id: its files fetched here once, before the workers read them
+        vocab = pretrained_shape(cfg.model.init_from)["vocab_size"]
+        if vocab is not None and vocab < corpus.vocab_size:
+            raise ConfigError(
+                [
+                    f"model.init_from = {cfg.model.init_from!r}: its vocabulary has {vocab} tokens, the data's "
+                    f"tokenizer (data.tokenizer = {cfg.data.tokenizer!r}) {corpus.vocab_size}: vocabularies differ"
+                ]
+            )
     if cfg.run.tokens_per_parameter is None or rs is not None:
         return ResolvedRun.resolve(cfg)
     from ray_diloco.models.transformer import budget_steps

@@ -268,6 +268,22 @@ class Trainer:
         self.settle()
         return self.sync.global_params(self.replicas)
 
+    def starting_row(self) -> dict[str, Any]:
+        """Row 0 of a run from ``model.init_from``: each worker's sha256 of its starting parameters
+        (DDP: the loaded model's, equal everywhere; FSDP: a rank's rows) and, when the run
+        evaluates, the loaded model's validation loss before any training."""
+        assert self.supervisor is not None  # set by start
+        hashes = self.supervisor.gather({w.params_hash.remote(): r for r in self.replicas for w in r.workers})
+        row: dict[str, Any] = {"outer_step": 0, "inner_step": 0, "start_params_sha256": hashes}
+        if self.cfg.run.eval_every:
+            row["eval_loss"] = self.evaluate()
+        loss = f"validation loss {row['eval_loss']:.4f}, " if "eval_loss" in row else ""
+        logger.info(
+            f"model.init_from {self.cfg.model.init_from}: {loss}parameters sha256 "
+            f"{', '.join(sorted(set(h[:16] for h in hashes)))} on {len(hashes)} worker(s)"
+        )
+        return row
+
     # -- the loop --------------------------------------------------------------------------
     def run(self, tracker: Tracker) -> dict[str, Any]:
         """The outer-step loop from the current state to ``run.steps``; evals and checkpoints
@@ -276,6 +292,8 @@ class Trainer:
         last = cfg.num_outer_steps
         t_start = time.perf_counter()
         compute_total = wait_total = 0.0
+        if self.state.outer_step == 0 and cfg.model.init_from:
+            tracker.log(self.starting_row())
         for k in range(self.state.outer_step + 1, last + 1):
             row = self.outer_step(k)
             compute_total += row["inner_compute_s"]

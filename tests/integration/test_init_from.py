@@ -1,0 +1,63 @@
+"""Continued pre-training: a run that starts from a saved Hugging Face model (``model.init_from``)
+on a real local Ray, evaluated before training, trained, exported and loaded back in transformers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import read_metrics, save_tiny_model, tiny_overrides
+
+from ray_diloco.components.checkpoint import list_checkpoints, load_checkpoint
+from ray_diloco.components.data import eval_split, load_corpus, val_batch, val_windows
+from ray_diloco.components.evaluate import model_from_checkpoint
+from ray_diloco.config import load_config
+from ray_diloco.core.fragments import param_specs, tensor_hash
+from ray_diloco.runtime.launcher import train
+
+
+def test_a_run_starts_from_the_saved_models_weights_and_exports_its_config_back(ray_session, tmp_path, small_text):
+    """A tiny llama with grouped-query attention and a RoPE base of its own, saved as a user's
+    model is: the run's tokenizer is the model's; both replicas start from the file's bytes (row 0's
+    hashes); row 0's evaluation is the file's loss on the run's validation tokens computed by
+    transformers alone; training moves it; the export keeps the source's config and gives the
+    checkpoint's logits in transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = save_tiny_model(tmp_path / "tiny-llama", small_text.read_text())
+    raw = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=10, run__eval_every=1,
+                         run__eval_tokens=2000, run__name="cpt", run__checkpoint_every=2)
+    raw["model"] = {"init_from": str(src)}
+    cfg = load_config(raw)
+    assert cfg.data.tokenizer == str(src)
+    summary = train(cfg)
+    run_dir = tmp_path / "runs" / "cpt"
+    rows = read_metrics(run_dir)
+    assert [r["outer_step"] for r in rows] == [0, 1, 2]
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    named = dict(ref.named_parameters())
+    start = tensor_hash([named[s.name] for s in param_specs(ref)])
+    assert rows[0]["start_params_sha256"] == [start, start]
+    corpus = load_corpus(cfg.data)
+    val = eval_split(corpus.val, 2000)
+    x, y = val_batch(val, 16, np.arange(val_windows(val, 16)))
+    with torch.no_grad():
+        logits = ref(x).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
+    assert rows[0]["eval_loss"] == pytest.approx(loss, abs=1e-5)
+    assert summary["final_eval_loss"] == rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.05
+    # the export: the source's config (fields our shape does not name included), its tokenizer,
+    # the run's final global parameters
+    out = run_dir / "final"
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert exported["num_key_value_heads"] == 2 and exported["model_type"] == "llama"
+    assert {k: v for k, v in exported.items() if "rope" in k} == {k: v for k, v in source.items() if "rope" in k}
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.get_vocab() == AutoTokenizer.from_pretrained(str(src)).get_vocab()
+    back = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ours = model_from_checkpoint(load_checkpoint(list_checkpoints(run_dir)[-1][1]), corpus.vocab_size).eval()
+    with torch.no_grad():
+        assert torch.allclose(back(x).logits, ours(x).logits, atol=1e-6, rtol=0)
