@@ -103,10 +103,24 @@ def pretrained_shape(init_from: str) -> dict[str, Any]:
     return shape
 
 
-def shape_conflicts(model: Any) -> list[str]:
-    """One line per shape field ``model`` (a ``ModelConfig``) sets to another value than its
-    ``init_from`` model has (``z_loss`` and ``init_std`` are training choices, not the file's)."""
+def init_from_problems(cfg: Any) -> list[str]:
+    """One line per shape field the model config sets to another value than its ``init_from``
+    model has (``z_loss`` and ``init_std`` are training choices, not the file's), and one when the
+    data takes the model's tokenizer from a local directory that has none (``cfg``: a ``Config``).
+
+    Raises:
+        ConfigError: as :func:`pretrained_config`."""
+    model = cfg.model
     shape = pretrained_shape(model.init_from)
+    root = Path(model.init_from)
+    if (
+        cfg.data.tokenizer == model.init_from
+        and root.is_dir()
+        and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    ):
+        return [
+            f"model.init_from = {model.init_from!r}: it has no tokenizer (tokenizer.json); name one with data.tokenizer"
+        ]
     return [
         f"model.{k} = {getattr(model, k)!r}: model.init_from = {model.init_from!r} has {k} {shape[k]!r} "
         f"(leave model.{k} unset)"

@@ -217,10 +217,10 @@ def _check_model(cfg: Config, e: list[str]) -> None:
     _need(e, m.z_loss is None or m.z_loss >= 0, "model.z_loss", m.z_loss, "must be >= 0")
     _need(e, m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
     if m.init_from is not None and not e:  # its config.json (a hub id: that file is fetched)
-        from ray_diloco.config.pretrained import shape_conflicts
+        from ray_diloco.config.pretrained import init_from_problems
 
         try:
-            e += shape_conflicts(m)
+            e += init_from_problems(cfg)
         except ConfigError as err:
             e += err.problems
 

@@ -66,3 +66,48 @@ def optimizer_state_in(optimizer: torch.optim.Optimizer, state: dict[str, Any]) 
             for n, v in s.items()
         }
     optimizer.load_state_dict({"state": wrapped, "param_groups": state["param_groups"]})
+
+
+def load_own_rows(model: torch.nn.Module, init_from: str, world_size: int, rank: int, device: torch.device) -> None:
+    """Materialise a model built on the meta device and sharded (:func:`shard_model`) with this
+    rank's rows of ``model.init_from``'s weights, read from its safetensors files by slice: no rank
+    reads or holds another's rows, so a model bigger than one worker's memory loads. Values in
+    fp32 (bf16 files widened); the non-persistent buffers (RoPE frequencies) are computed again by
+    transformers' own initialisation; tied parameters stay one.
+
+    Raises:
+        ConfigError: a parameter the files do not hold, or of another shape."""
+    import json
+
+    from safetensors import safe_open
+
+    from ray_diloco.config.pretrained import model_dir
+    from ray_diloco.core.shards import rank_rows
+    from ray_diloco.errors import ConfigError
+
+    root = model_dir(init_from)
+    index = root / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, _ in model.named_non_persistent_buffers():  # type: ignore[operator]  # a transformers model
+            model._init_weights(model.get_submodule(name.rpartition(".")[0]))  # type: ignore[operator]
+        handles: dict[str, Any] = {}
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        for name, p in model.named_parameters():  # tied parameters once
+            key = name if files is None or name in files else name.removeprefix(prefix)
+            file = root / (files.get(key, "") if files is not None else "model.safetensors")
+            if file.name not in handles and file.is_file():
+                handles[file.name] = safe_open(str(file), framework="pt")
+            f = handles.get(file.name)
+            if f is None or key not in f.keys():
+                raise ConfigError([f"model.init_from = {init_from!r}: its weights have no {name}"])
+            part = f.get_slice(key)
+            if tuple(part.get_shape()) != tuple(p.shape):
+                raise ConfigError(
+                    [f"model.init_from = {init_from!r}: {name} is {tuple(part.get_shape())} in its weights, "
+                     f"{tuple(p.shape)} in its config"]
+                )  # fmt: skip
+            rows = rank_rows(p.shape[0], world_size, rank)
+            local = cast("DTensor", p).to_local()
+            local.copy_(part[rows.start : rows.stop].to(device=device, dtype=local.dtype))

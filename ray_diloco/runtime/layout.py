@@ -63,6 +63,11 @@ class ReplicaLayout:
         """Exchange units per fragment: the replica's workers when sharded, else 1."""
         return self.world_size if self.sharded else 1
 
+    def loads_own_rows(self, cfg: Any) -> bool:
+        """Whether the worker builds its model on the meta device and reads only its own rows of
+        ``model.init_from``'s weights once sharded (:meth:`wrap`), never holding the whole model."""
+        return self.sharded and bool(cfg.model.init_from)
+
     def staging(self, device: torch.device) -> DeviceStaging | None:
         """The worker's device staging of the global fragments (None: globals on the host)."""
         return DeviceStaging(device) if self.device_globals else None
@@ -76,13 +81,17 @@ class ReplicaLayout:
     def wrap(self, cfg: Any, model: torch.nn.Module, device: torch.device,
              fragments: list[Fragment]) -> tuple[torch.nn.Module, dict[str, torch.Tensor], list[Fragment]]:  # fmt: skip
         """The model on this layout, once the replica's process group exists: sharded with FSDP2
-        (this rank's rows of its parameters and fragments), wrapped in DDP, or, alone in its
-        replica, as it is. Returns (what the inner loop calls, name -> parameter, the fragments
+        (this rank's rows of its parameters and fragments; a model built on the meta device gets
+        its rows from ``model.init_from``'s files), wrapped in DDP, or, alone in its replica, as it is. Returns (what the inner loop calls, name -> parameter, the fragments
         this worker exchanges)."""
         if self.sharded:
             from ray_diloco.runtime.fsdp import local_params, shard_model
 
             shard_model(model, self.world_size, device, cfg.run.precision == "bf16")
+            if next(model.parameters()).is_meta:  # built on meta (model.init_from): this rank's rows read
+                from ray_diloco.runtime.fsdp import load_own_rows
+
+                load_own_rows(model, cfg.model.init_from, self.world_size, self.rank, device)
             return model, local_params(model), [rank_fragment(f, self.world_size, self.rank) for f in fragments]
         net: torch.nn.Module = model
         if self.world_size > 1:

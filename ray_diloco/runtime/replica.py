@@ -85,9 +85,10 @@ def worker_device(gpus_per_worker: float) -> tuple[torch.device, str | None]:
 
 
 def worker_model(
-    cfg: Any, vocab_size: int, model_fn: ModelFn | None
+    cfg: Any, vocab_size: int, model_fn: ModelFn | None, meta: bool = False
 ) -> tuple[torch.nn.Module, torch.device, Exception | None]:
-    """The worker's model built on its device (``torch.cuda.set_device`` first on a GPU), with
+    """The worker's model built on its device (``torch.cuda.set_device`` first on a GPU; ``meta``:
+    on the meta device, its values read once sharded, ``ReplicaLayout.loads_own_rows``), with
     ``run.activation_checkpointing`` (transformers' non-reentrant activation checkpointing of every
     decoder block), and the problem the worker's ``setup`` reports: ``ClusterError`` (GPUs asked
     for, no CUDA) or ``ConfigError`` (activation checkpointing of a model without it)."""
@@ -97,9 +98,10 @@ def worker_model(
         torch.cuda.set_device(device)
     # built and initialised on its device: on a GPU no fp32 copy of the model passes through host
     # memory (40 GB per worker at 10B parameters); the seed fixes the values on each device type
-    with torch.device(device) if device.type == "cuda" else nullcontext():
+    with torch.device("meta") if meta else torch.device(device) if device.type == "cuda" else nullcontext():
         model = build_model(cfg, vocab_size, model_fn)
-    model = model.to(device)  # a model_fn that allocates on a fixed device
+    if not meta:
+        model = model.to(device)  # a model_fn that allocates on a fixed device
     if cfg.run.activation_checkpointing:
         new = getattr(model, "activation_checkpointing_enable", None)  # transformers 5; 4.x: gradient_...
         old = getattr(model, "gradient_checkpointing_enable", None)
@@ -164,7 +166,8 @@ class ReplicaWorker:
             torch.use_deterministic_algorithms(True)
         # the model is built here; its parts, inner loop and state once setup has joined the
         # replica's process group (FSDP2 and DDP need it): nothing is built twice
-        self.model, self.device, self.problem = worker_model(cfg, vocab_size, model_fn)
+        meta = ReplicaLayout.of(cfg, world_size, rank, torch.device("cpu")).loads_own_rows(cfg)
+        self.model, self.device, self.problem = worker_model(cfg, vocab_size, model_fn, meta)
         self.specs = param_specs(self.model)
         try:
             self.fragments: list[Fragment] = fragment_plan(cfg, self.specs)

@@ -46,11 +46,14 @@ def test_a_conflicting_shape_field_and_a_model_that_is_not_there_are_one_line(ll
     (tmp_path / "empty").mkdir()
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text('{"model_type": "mistral"}')
+    (tmp_path / "no-tokenizer").mkdir()
+    (tmp_path / "no-tokenizer" / "config.json").write_text((llama_dir / "config.json").read_text())
     for init_from, why in [
         (str(tmp_path / "nope"), "no such directory"),
         (str(tmp_path / "empty"), "it has no config.json (a transformers model directory)"),
         (str(tmp_path / "mistral"), "model_type 'mistral'; the trainer builds gpt2, llama, qwen3"),
         ("nobody/no-such-model", "not a local model directory, and the Hugging Face hub cannot give it ("),
+        (str(tmp_path / "no-tokenizer"), "it has no tokenizer (tokenizer.json); name one with data.tokenizer"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"model.init_from={init_from}"])
