@@ -14,8 +14,9 @@ class RayDilocoError(Exception):
 class ConfigError(RayDilocoError):
     """One or more invalid config fields; ``problems`` holds one line per field."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+    def __init__(self, problems: list[str] | str):
+        # a str: the error rebuilt from its message (Ray re-raises a remote error that way)
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
     def lines(self) -> list[str]:
@@ -26,8 +27,9 @@ class ConfigError(RayDilocoError):
 class UsageError(RayDilocoError):
     """Invalid command-line options; ``problems`` holds one line per option."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+    def __init__(self, problems: list[str] | str):
+        # a str: the error rebuilt from its message (Ray re-raises a remote error that way)
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("; ".join(self.problems))
 
     def lines(self) -> list[str]:

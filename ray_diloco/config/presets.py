@@ -99,6 +99,8 @@ def pin_model_fields(cfg: _Model, recorded_before_pinning: bool = False) -> _Mod
     runs did this (``recorded_before_pinning``) gets the preset's meaning at that time
     (:data:`LEGACY_PRESETS`). ``vocab_size`` stays as it is (None: the tokenizer's).
     """
+    if all(getattr(cfg, field) is not None for field in SHAPE_FIELDS):
+        return cfg  # pinned already (a run's config.yaml): model.init_from's files are not read
     table = {**PRESETS, **LEGACY_PRESETS} if recorded_before_pinning else PRESETS
     base = _base(cfg) or dict(zip(SHAPE_FIELDS, table[cfg.preset]))
     for field in SHAPE_FIELDS:

@@ -56,13 +56,19 @@ def _fetch(init_from: str, patterns: list[str]) -> Path:
 
 
 @functools.lru_cache(maxsize=8)
+def _hub_config_dir(init_from: str) -> Path:
+    """The hub snapshot holding ``init_from``'s ``config.json`` (asked of the hub once a process)."""
+    return _fetch(init_from, ["config.json"])
+
+
 def pretrained_config(init_from: str) -> dict[str, Any]:
-    """The model's ``config.json`` as a dict (a hub id: that file alone is fetched).
+    """The model's ``config.json`` as a dict (a hub id: that file alone is fetched; a local
+    directory's is read each time, so a model moved or edited is seen).
 
     Raises:
         ConfigError: no such directory or hub model, no or unreadable ``config.json``, or a
             ``model_type`` the trainer does not build."""
-    root = Path(init_from).expanduser() if _is_local(init_from) else _fetch(init_from, ["config.json"])
+    root = Path(init_from).expanduser() if _is_local(init_from) else _hub_config_dir(init_from)
     path = root / "config.json"
     if not path.is_file():
         what = "no such directory" if not root.is_dir() else "it has no config.json (a transformers model directory)"
@@ -71,6 +77,8 @@ def pretrained_config(init_from: str) -> dict[str, Any]:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError([f"model.init_from = {init_from!r}: config.json cannot be read ({e})"]) from None
+    if not isinstance(cfg, dict):
+        raise ConfigError([f"model.init_from = {init_from!r}: config.json holds a {type(cfg).__name__}, not an object"])
     kind = cfg.get("model_type")
     if kind not in _KEYS:
         raise ConfigError(
@@ -92,14 +100,34 @@ def model_dir(init_from: str) -> Path:
 def pretrained_shape(init_from: str) -> dict[str, Any]:
     """The model's shape in our fields (:data:`~ray_diloco.config.presets.SHAPE_FIELDS` and
     ``vocab_size``): family, layers, heads, width, FFN (gpt2's default 4 x width), context, tied
-    embeddings; z-loss 0 (a released model was not trained with ours)."""
+    embeddings; z-loss 0 (a released model was not trained with ours).
+
+    Raises:
+        ConfigError: as :func:`pretrained_config`, or a shape field missing from ``config.json``
+            (where transformers has no default) or not a positive integer (``tie_word_embeddings``:
+            not a bool)."""
     cfg = pretrained_config(init_from)
     family = cfg["model_type"]
     shape: dict[str, Any] = {"family": family, "z_loss": 0.0, "vocab_size": cfg.get("vocab_size")}
     for ours, key, default in _KEYS[family]:
-        shape[ours] = cfg.get(key, default)
-    if shape["d_ff"] is None and family == "gpt2":
+        shape[ours] = value = cfg.get(key, default)
+        kind = bool if ours == "tie_embeddings" else int
+        if value is None and not (ours == "d_ff" and family == "gpt2"):
+            raise ConfigError([f"model.init_from = {init_from!r}: its config.json has no {key}"])
+        if value is not None and (type(value) is not kind or (kind is int and value < 1)):
+            what = "true or false" if kind is bool else "a positive integer"
+            raise ConfigError(
+                [f"model.init_from = {init_from!r}: its config.json has {key} = {value!r}; expected {what}"]
+            )
+    if shape["d_ff"] is None:  # gpt2's default
         shape["d_ff"] = 4 * shape["d_model"]
+    vocab = shape["vocab_size"]
+    if vocab is not None and (type(vocab) is not int or vocab < 1):
+        raise ConfigError(
+            [
+                f"model.init_from = {init_from!r}: its config.json has vocab_size = {vocab!r}; expected a positive integer"
+            ]
+        )
     return shape
 
 

@@ -26,7 +26,7 @@ Pattern = Literal["strided", "sequential"]
 ClosingRound = Literal["average", "outer", "none"]
 JoinInnerState = Literal["peer", "fresh"]
 ReplicaNodes = Literal["one", "several"]
-Sharding = Literal["ddp", "fsdp"]
+Sharding = Literal["ddp", "fsdp", "hsdp"]
 CompileMode = Literal["auto", "true", "false"]
 #: Wire formats; a format's id in the wire message is its index here (:mod:`ray_diloco.core.quantize`).
 QuantFormat = Literal["none", "bf16", "fp8_e4m3", "int8", "fp4_e3m0"]
@@ -199,7 +199,14 @@ class DiLoCoConfig:
     """Inside a replica: ``ddp`` (every worker holds the whole model and inner-optimiser state) or ``fsdp``
     (FSDP2 ``fully_shard`` per decoder block: each worker holds 1/W of them; bf16 precision gathers
     parameters in bf16 over fp32 masters). With ``fsdp`` each worker exchanges its own part of every
-    fragment with the outer optimiser (nothing is gathered on one rank). Needs ``workers_per_replica >= 2``."""
+    fragment with the outer optimiser (nothing is gathered on one rank). Needs ``workers_per_replica >= 2``.
+    ``hsdp``: FSDP2 on a 2-D mesh, the replica's W workers as W / S replicate groups of
+    ``shard_group_size`` S consecutive ranks, each group sharding the model over its S ranks (1/S
+    each) and the groups all-reducing gradients (a shard group within a node, the groups across
+    nodes); the first group's ranks exchange their rows with the outer optimiser."""
+    shard_group_size: int | None = None
+    """S, ranks per shard group under ``sharding: hsdp``: divides ``workers_per_replica``, 2 <= S < W;
+    None: the largest divisor of W up to 8 and W / 2 (8: one node of GPUs). Only with ``hsdp``."""
     H: int = 50
     """H, inner steps between outer steps."""
     cpus_per_worker: float | None = None
@@ -430,8 +437,20 @@ class Config:
     @property
     def exchange_units(self) -> int:
         """Outer-exchange units per fragment: ``diloco.workers_per_replica`` with ``diloco.sharding:
-        fsdp`` (each rank exchanges its own rows, ``core.shards.exchange_index``), else 1."""
-        return self.diloco.workers_per_replica if self.diloco.sharding == "fsdp" else 1
+        fsdp``, S under ``hsdp`` (each rank of a shard group exchanges its own rows,
+        ``core.shards.exchange_index``), else 1."""
+        return self.shard_group_size
+
+    @property
+    def shard_group_size(self) -> int:
+        """S, the ranks one copy of the model is sharded over inside a replica: W under ``fsdp``,
+        ``diloco.shard_group_size`` (default: the largest divisor of W up to min(8, W / 2)) under
+        ``hsdp``, 1 under ``ddp``."""
+        d = self.diloco
+        if d.sharding == "hsdp":
+            w = d.workers_per_replica
+            return d.shard_group_size or max([g for g in range(2, min(8, w // 2) + 1) if w % g == 0] or [1])
+        return d.workers_per_replica if d.sharding == "fsdp" else 1
 
     @property
     def micro_batch(self) -> int:

@@ -149,13 +149,20 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
             "NCCL group, which cannot put two ranks on one GPU: give each worker a whole GPU (or use "
             "diloco.workers_per_replica = 1)"
         )
-    if d.sharding == "fsdp":
+    _check_sharding(cfg, e)
+
+
+def _check_sharding(cfg: Config, e: list[str]) -> None:
+    """``diloco.sharding`` and ``diloco.shard_group_size`` (FSDP, HSDP inside a replica)."""
+    d = cfg.diloco
+    if d.sharding in ("fsdp", "hsdp"):
+        least = 2 if d.sharding == "fsdp" else 4
         _need(
             e,
-            d.workers_per_replica >= 2,
+            d.workers_per_replica >= least,
             "diloco.sharding",
             d.sharding,
-            f"fsdp shards a replica over its workers: needs diloco.workers_per_replica >= 2 "
+            f"{d.sharding} shards a replica over its workers: needs diloco.workers_per_replica >= {least} "
             f"(it is {d.workers_per_replica})",
         )
         _need(
@@ -163,8 +170,15 @@ def _check_diloco(cfg: Config, e: list[str]) -> None:
             cfg.algorithm == "diloco",
             "diloco.sharding",
             d.sharding,
-            f"fsdp is for DiLoCo replicas; the {cfg.algorithm} baseline uses DDP",
+            f"{d.sharding} is for DiLoCo replicas; the {cfg.algorithm} baseline uses DDP",
         )
+    if d.sharding == "hsdp" and d.workers_per_replica >= 4:
+        w, g = d.workers_per_replica, cfg.shard_group_size
+        _need(e, 2 <= g < w and w % g == 0, "diloco.shard_group_size", g,
+              f"must divide diloco.workers_per_replica = {w}, with 2 <= S < {w} (S = {w}: sharding fsdp)")  # fmt: skip
+    if d.shard_group_size is not None and d.sharding != "hsdp":
+        _need(e, False, "diloco.shard_group_size", d.shard_group_size,
+              f"is read only with diloco.sharding = hsdp (it is {d.sharding})")  # fmt: skip
 
 
 def _check_inner(cfg: Config, e: list[str]) -> None:

@@ -71,7 +71,10 @@ class Checkpointer:
         calls = []
         for r in self.supervisor.replicas:
             for rank, w in enumerate(r.workers):
-                own, full = states[(r.index, rank)], None if layout.owns(rank) else states[(r.index, 0)]
+                own, full = (
+                    states[(r.index, rank)],
+                    None if layout.owns(rank) else states[(r.index, layout.owner(rank))],
+                )
                 calls.append(((r.index, rank), w, own, full, w.restore_state.remote(own, full, cid)))
         for key, w, own, full, ref in calls:
             if not ray.get(ref):  # this worker's node does not see the run directory: through the job

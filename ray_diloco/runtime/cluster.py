@@ -273,6 +273,17 @@ def wait_placed(pgs: list[Any], timeout_s: float) -> Any | None:
     return None
 
 
+def ranks_by_node(bundle_nodes: list[str]) -> list[int]:
+    """The bundle (an index into ``bundle_nodes``, each bundle's node id) each rank of a replica
+    runs in: ranks fill the node of bundle 0 first, then the next node's bundles, in bundle
+    order within a node. An HSDP shard group (consecutive ranks) then shares one node wherever
+    the placement group put enough bundles on it (PACK fills as few nodes as it can)."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(bundle_nodes):
+        first.setdefault(node, i)
+    return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
+
+
 def _spawn(
     cfg: Config, r: Replica, world: int, vocab_size: int, model_fn: ModelFn | None, allreduce_emulation: bool = False
 ) -> None:
@@ -283,6 +294,12 @@ def _spawn(
     from ray_diloco.runtime.replica import ReplicaWorkerActor as Worker
 
     d = cfg.diloco
+    bundles = [r.bundle_offset + rank for rank in range(world)]
+    if d.sharding == "hsdp":  # a shard group's consecutive ranks on one node where the bundles allow
+        from ray.util.placement_group import placement_group_table
+
+        nodes = placement_group_table(r.placement_group)["bundles_to_node_id"]
+        bundles = [bundles[i] for i in ranks_by_node([nodes[b] for b in bundles])]
     for rank in range(world):
         r.workers.append(
             Worker.options(
@@ -290,7 +307,7 @@ def _spawn(
                 num_gpus=d.gpus_per_worker,
                 runtime_env=worker_threads(cfg).runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    r.placement_group, placement_group_bundle_index=r.bundle_offset + rank
+                    r.placement_group, placement_group_bundle_index=bundles[rank]
                 ),
             ).remote(
                 cfg.to_dict(),

@@ -21,13 +21,21 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor  # fully_shard's parameters
 
 
-def shard_model(model: torch.nn.Module, world_size: int, device: torch.device, bf16: bool) -> None:
+def shard_model(model: torch.nn.Module, world_size: int, shard_size: int, device: torch.device, bf16: bool) -> None:
     """``fully_shard`` every decoder block, then the root, over the default process group (which
-    must hold exactly this replica's ``world_size`` ranks). In place: the parameters become DTensors."""
+    must hold exactly this replica's ``world_size`` ranks): on a 1-D mesh when ``shard_size`` is
+    the world size (FSDP), else on a 2-D ``(replicate, shard)`` mesh of ``world_size /
+    shard_size`` groups of ``shard_size`` consecutive ranks (HSDP: each group shards the model,
+    the groups all-reduce gradients). In place: the parameters become DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    if shard_size == world_size:
+        mesh = init_device_mesh(device.type, (world_size,))
+    else:
+        mesh = init_device_mesh(
+            device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+        )
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
@@ -68,46 +76,37 @@ def optimizer_state_in(optimizer: torch.optim.Optimizer, state: dict[str, Any]) 
     optimizer.load_state_dict({"state": wrapped, "param_groups": state["param_groups"]})
 
 
-def load_own_rows(model: torch.nn.Module, init_from: str, world_size: int, rank: int, device: torch.device) -> None:
+def load_own_rows(model: torch.nn.Module, init_from: str, shards: int, shard: int, device: torch.device) -> None:
     """Materialise a model built on the meta device and sharded (:func:`shard_model`) with this
-    rank's rows of ``model.init_from``'s weights, read from its safetensors files by slice: no rank
+    rank's rows (shard ``shard`` of ``shards``) of ``model.init_from``'s weights, read from its safetensors files by slice: no rank
     reads or holds another's rows, so a model bigger than one worker's memory loads. Values in
     fp32 (bf16 files widened); the non-persistent buffers (RoPE frequencies) are computed again by
     transformers' own initialisation; tied parameters stay one.
 
     Raises:
         ConfigError: a parameter the files do not hold, or of another shape."""
-    import json
-
     from safetensors import safe_open
 
     from ray_diloco.config.pretrained import model_dir
     from ray_diloco.core.shards import rank_rows
     from ray_diloco.errors import ConfigError
+    from ray_diloco.models.pretrained import locate, weight_table
 
-    root = model_dir(init_from)
-    index = root / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    table = weight_table(init_from, model_dir(init_from))
     model.to_empty(device=device)
     with torch.no_grad():
         for name, _ in model.named_non_persistent_buffers():  # type: ignore[operator]  # a transformers model
             model._init_weights(model.get_submodule(name.rpartition(".")[0]))  # type: ignore[operator]
         handles: dict[str, Any] = {}
-        prefix = getattr(model, "base_model_prefix", "") + "."
         for name, p in model.named_parameters():  # tied parameters once
-            key = name if files is None or name in files else name.removeprefix(prefix)
-            file = root / (files.get(key, "") if files is not None else "model.safetensors")
-            if file.name not in handles and file.is_file():
-                handles[file.name] = safe_open(str(file), framework="pt")
-            f = handles.get(file.name)
-            if f is None or key not in f.keys():
-                raise ConfigError([f"model.init_from = {init_from!r}: its weights have no {name}"])
-            part = f.get_slice(key)
-            if tuple(part.get_shape()) != tuple(p.shape):
+            w = locate(model, name, table)
+            if w is None or w.shape != tuple(p.shape):  # check_weights refused it in the job already
                 raise ConfigError(
-                    [f"model.init_from = {init_from!r}: {name} is {tuple(part.get_shape())} in its weights, "
-                     f"{tuple(p.shape)} in its config"]
-                )  # fmt: skip
-            rows = rank_rows(p.shape[0], world_size, rank)
+                    [f"model.init_from = {init_from!r}: {name} is not in its weights as {tuple(p.shape)}"]
+                )
+            if str(w.file) not in handles:
+                handles[str(w.file)] = safe_open(str(w.file), framework="pt")
+            part = handles[str(w.file)].get_slice(w.key)
+            rows = rank_rows(p.shape[0], shards, shard)
             local = cast("DTensor", p).to_local()
             local.copy_(part[rows.start : rows.stop].to(device=device, dtype=local.dtype))

@@ -125,6 +125,7 @@ FIXED_ON_RESUME = (
     "diloco.workers_per_replica",
     "diloco.H",
     "diloco.sharding",
+    "diloco.shard_group_size",
     "model",
     "data",
     "run.seed",
@@ -139,6 +140,9 @@ FIXED_ON_RESUME = (
 def _check_resumable(cfg: Config, saved: Config) -> None:
     """Raise :class:`ConfigError` naming each structural field that differs from the checkpoint's."""
     now, then = cfg.to_dict(), saved.to_dict()
+    now["model"]["init_from"] = then["model"]["init_from"]  # where the model is may change (_follow_moved_model)
+    if cfg.data.tokenizer == cfg.model.init_from and saved.data.tokenizer == saved.model.init_from:
+        now["data"]["tokenizer"] = then["data"]["tokenizer"]
     problems = []
     for key in FIXED_ON_RESUME:
         section, _, name = key.partition(".")
@@ -155,6 +159,27 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
             problems.append(f"{key} = {a!r}: the checkpoint was trained with {b!r}; it cannot change on resume")
     if problems:
         raise ConfigError(problems)
+
+
+def _load_run_config(run_dir: Path, overrides: list[str] | None) -> Config:
+    """A resumed run's ``config.yaml`` with ``overrides``; a ``model.init_from`` no longer there
+    gets a hint (its weights are the checkpoint's now; only its config.json is read)."""
+    try:
+        return load_config(run_dir / "config.yaml", overrides)
+    except ConfigError as e:
+        hint = " (the run started from it; --set model.init_from=PATH names where that model is now)"
+        raise ConfigError(
+            [p + hint if p.startswith("model.init_from = ") and ": no such directory" in p else p for p in e.problems]
+        ) from None
+
+
+def _follow_moved_model(cfg: Config, saved: Config) -> None:
+    """A resume that names where its ``model.init_from`` model is now: the data's tokenizer,
+    which was that model's, follows it (the model's shape was checked against the run's pinned one
+    when the config loaded; the weights and tokenizer are the checkpoint's and the run's)."""
+    now = cfg.model.init_from
+    if now and now != saved.model.init_from and cfg.data.tokenizer == saved.data.tokenizer == saved.model.init_from:
+        cfg.data.tokenizer = now
 
 
 def prepare(
@@ -178,12 +203,13 @@ def prepare(
         run_dir = Path(resume).expanduser()
         if not (run_dir / "config.yaml").is_file():
             raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
-        cfg = load_config(run_dir / "config.yaml", overrides)
+        cfg = _load_run_config(run_dir, overrides)
         ckpts = list_checkpoints(run_dir)
         if ckpts:
             state = load_checkpoint(ckpts[-1][1], lazy=True)  # each process reads its own state file
             saved = checkpoint_config(state)
             pin_model_fields(cfg.model, recorded_before_pinning=True)  # config.yaml of a run from before: its shape
+            _follow_moved_model(cfg, saved)
             _check_resumable(cfg, saved)
             done = int(state["counters"]["inner_step"])
             if cfg.run.steps < done:
@@ -342,7 +368,8 @@ def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str
     ``run.tokens_per_parameter``; a resume keeps its recorded steps) and the pinned model shape.
 
     Raises:
-        ConfigError: ``model.vocab_size`` below the tokenizer's, or a budget over the step limit.
+        ConfigError: ``model.vocab_size`` below the tokenizer's, a budget over the step limit, or
+            ``model.init_from``'s weights damaged or not those of its config (a new run).
     """
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < corpus.vocab_size:
         raise ConfigError(
@@ -355,6 +382,10 @@ def _resolve(cfg: Config, corpus: Corpus, model_fn: ModelFn | None, rs: dict[str
         from ray_diloco.config.pretrained import model_dir, pretrained_shape
 
         model_dir(cfg.model.init_from)  # a hub id: its files fetched here once, before the workers read them
+        if rs is None:  # a resume's weights are its checkpoint's
+            from ray_diloco.models.pretrained import check_weights
+
+            check_weights(cfg.model.init_from)
         vocab = pretrained_shape(cfg.model.init_from)["vocab_size"]
         if vocab is not None and vocab < corpus.vocab_size:
             raise ConfigError(

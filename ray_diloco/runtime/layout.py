@@ -3,8 +3,8 @@ from the config (``diloco.sharding``, ``diloco.workers_per_replica``; ``streamin
 on a GPU) and the worker's rank and device. A worker's parts are built on it in one go
 (``runtime.inner_loop.WorkerParts.build``, through :meth:`ReplicaLayout.wrap`), never patched
 afterwards, and everything that differs between layouts (which rank owns which state, what an
-evaluation must do together, how an inner-optimiser state is loaded) is asked of it. A new layout
-(HSDP) is one more case here."""
+evaluation must do together, how an inner-optimiser state is loaded) is asked of it: DDP, FSDP
+and HSDP (FSDP2 on a 2-D mesh) are its cases."""
 
 from __future__ import annotations
 
@@ -23,27 +23,43 @@ class ReplicaLayout:
     """The layout of one worker's replica.
 
     Attributes:
-        sharded: FSDP2 over the replica's workers (``diloco.sharding: fsdp`` with more than one
-            worker): each rank holds and exchanges its own rows of every fragment.
-        world_size: the replica's workers. rank: this worker's rank.
+        sharded: FSDP2 over the replica's workers (``diloco.sharding: fsdp`` or ``hsdp`` with
+            more than one worker): each rank holds its own rows of every parameter.
+        world_size: the replica's workers (W). rank: this worker's rank.
         device_globals: a GPU worker keeps device copies of the global fragments
             (``core.staging``; ``streaming.device_globals``).
+        shard_size: S, the ranks one copy of the model is sharded over: W under ``fsdp``, the
+            shard group under ``hsdp`` (ranks ``g*S ... g*S+S-1`` form group g; the W / S groups
+            hold the same rows and all-reduce their gradients), 1 unsharded.
     """
 
     sharded: bool
     world_size: int
     rank: int
     device_globals: bool
+    shard_size: int = 1
 
     @classmethod
     def of(cls, cfg: Any, world_size: int, rank: int, device: torch.device) -> ReplicaLayout:
         """The layout a worker of ``cfg`` with ``rank`` of ``world_size`` on ``device`` has."""
+        sharded = cfg.exchange_units > 1 and world_size > 1
         return cls(
-            sharded=cfg.exchange_units > 1 and world_size > 1,
+            sharded=sharded,
             world_size=world_size,
             rank=rank,
             device_globals=device.type == "cuda" and cfg.streaming.device_globals,
+            shard_size=cfg.exchange_units if sharded else 1,
         )
+
+    @property
+    def shard_rank(self) -> int:
+        """This worker's rank in its shard group: which rows it holds (0 unsharded)."""
+        return self.rank % self.shard_size
+
+    def owner(self, rank: int) -> int:
+        """The rank whose own state worker ``rank``'s is a copy of (itself when it :meth:`owns`
+        one): DDP rank 0; FSDP itself; HSDP the first shard group's rank holding the same rows."""
+        return rank % self.shard_size
 
     @classmethod
     def of_run(cls, cfg: Any) -> ReplicaLayout:
@@ -51,17 +67,25 @@ class ReplicaLayout:
         host): what the checkpoint, the evaluation, the round metrics and joiners ask of it."""
         return cls.of(cfg, cfg.diloco.workers_per_replica, 0, torch.device("cpu"))
 
+    def summary(self, sharding: str) -> str | None:
+        """The run header's line on how a replica holds the model (None: unsharded)."""
+        if not self.sharded:
+            return None
+        groups = self.world_size // self.shard_size
+        line = f"inside a replica: {sharding}, the model sharded over {self.shard_size} ranks"
+        return line + (f", {groups} shard groups all-reducing gradients" if groups > 1 else "")
+
     def owns(self, rank: int) -> bool:
         """Whether worker ``rank`` holds a part of the replica's state of its own: it sends
         pseudo-gradients, writes and reads its own checkpoint state and hands a joiner's same
-        rank its inner-optimiser state (sharded: every rank, its rows; otherwise rank 0, whose
-        state the other ranks copy)."""
-        return self.sharded or rank == 0
+        rank its inner-optimiser state (FSDP: every rank, its rows; HSDP: the first shard group's
+        ranks, whose rows the other groups hold too; DDP: rank 0, whose state the others copy)."""
+        return rank < self.shard_size
 
     @property
     def units(self) -> int:
-        """Exchange units per fragment: the replica's workers when sharded, else 1."""
-        return self.world_size if self.sharded else 1
+        """Exchange units per fragment: S (each rank of a shard group exchanges its own rows)."""
+        return self.shard_size
 
     def loads_own_rows(self, cfg: Any) -> bool:
         """Whether the worker builds its model on the meta device and reads only its own rows of
@@ -74,9 +98,10 @@ class ReplicaLayout:
 
     @property
     def sync_rank(self) -> int:
-        """The rank this worker's fragment syncs act as: sharded, every rank is rank 0 of its own
-        rows (it computes and sends their pseudo-gradients); otherwise its rank (only rank 0 sends)."""
-        return 0 if self.sharded else self.rank
+        """The rank this worker's fragment syncs act as (only rank 0 computes and sends a
+        pseudo-gradient): sharded, a rank is rank ``g`` (its shard group) of its own rows, so the
+        first group sends; otherwise its rank."""
+        return self.rank // self.shard_size
 
     def wrap(self, cfg: Any, model: torch.nn.Module, device: torch.device,
              fragments: list[Fragment]) -> tuple[torch.nn.Module, dict[str, torch.Tensor], list[Fragment]]:  # fmt: skip
@@ -87,12 +112,13 @@ class ReplicaLayout:
         if self.sharded:
             from ray_diloco.runtime.fsdp import local_params, shard_model
 
-            shard_model(model, self.world_size, device, cfg.run.precision == "bf16")
+            shard_model(model, self.world_size, self.shard_size, device, cfg.run.precision == "bf16")
             if next(model.parameters()).is_meta:  # built on meta (model.init_from): this rank's rows read
                 from ray_diloco.runtime.fsdp import load_own_rows
 
-                load_own_rows(model, cfg.model.init_from, self.world_size, self.rank, device)
-            return model, local_params(model), [rank_fragment(f, self.world_size, self.rank) for f in fragments]
+                load_own_rows(model, cfg.model.init_from, self.shard_size, self.shard_rank, device)
+            mine = [rank_fragment(f, self.shard_size, self.shard_rank) for f in fragments]
+            return model, local_params(model), mine
         net: torch.nn.Module = model
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -102,14 +128,12 @@ class ReplicaLayout:
 
     def own_units(self, per_unit: list[Any]) -> list[Any]:
         """This worker's entries, one per fragment, of a list over the outer exchange's units
-        (sharded: unit ``f * W + rank`` is its part of fragment f; otherwise the fragments)."""
-        return per_unit[self.rank :: self.world_size] if self.sharded else per_unit
+        (sharded: unit ``f * S + shard_rank`` is its part of fragment f; otherwise the fragments)."""
+        return per_unit[self.shard_rank :: self.shard_size]
 
     def local_unit(self, unit: int) -> int | None:
-        """This worker's fragment index of exchange unit ``unit`` (None: another rank's unit)."""
-        if not self.sharded:
-            return unit
-        return unit // self.world_size if unit % self.world_size == self.rank else None
+        """This worker's fragment index of exchange unit ``unit`` (None: other rows' unit)."""
+        return unit // self.shard_size if unit % self.shard_size == self.shard_rank else None
 
     def eval_min_batches(self, batches: int, device: torch.device) -> int:
         """Forward passes this worker runs at least in an evaluation of ``batches`` of its own:

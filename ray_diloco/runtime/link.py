@@ -92,8 +92,10 @@ class Link:
 
     Args:
         driver: the ``OuterDriver`` actor handle.
-        replica, rank: who this worker is; only rank 0 sends (all ranks of a replica hold the
-            same parameters), every rank receives.
+        replica, rank: who this worker is (rank: the rows it holds, its rank in its shard group;
+            0 unsharded). sends: it sends pseudo-gradients (default: rank 0, or every rank when
+            ``units`` > 1; ``ReplicaLayout.owns``: the replica's rank 0, or the first shard group's
+            ranks); every rank receives.
         fmt: ``streaming.quantization``. error_feedback: keep per-fragment residuals (rank 0).
         bandwidth_gbps, latency_ms: WAN emulation, slept on this thread per message.
         shards: ``diloco.outer_shards`` K: the pseudo-gradient is sent as K slices
@@ -125,8 +127,11 @@ class Link:
     stats: LinkStats = field(default_factory=LinkStats)
     units: int = 1
     staging: DeviceStaging | None = None
+    sends: bool | None = None
 
     def __post_init__(self):
+        if self.sends is None:
+            self.sends = self.rank == 0 or self.units > 1
         self.uplink = Uplink(self.fmt, self.error_feedback, self.shards, self.buffers)  # owns the residuals
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
@@ -187,8 +192,8 @@ class Link:
         t0 = time.perf_counter()
         up = 0
         unit = exchange_index(fragment, self.units, self.rank) if self.units > 1 else fragment
-        if self.rank == 0 or self.units > 1:
-            assert delta is not None  # computed by every sender (core.sync: rank 0, or each rank's rows under FSDP)
+        if self.sends:
+            assert delta is not None  # computed by every sender (core.sync: its sync rank 0)
             if ready is not None:
                 ready()
             with self.staging.side() if self.staging is not None else nullcontext():

@@ -225,7 +225,7 @@ class Membership:
                             versions,
                             step,
                             positions[rank],
-                            peer and [peer[rank if len(peer) > 1 else 0]],
+                            peer and [peer[layout.owner(rank)]],
                             r.slot * W + rank,
                         )
                         for rank, w in enumerate(r.workers)

@@ -240,9 +240,10 @@ class ReplicaWorker:
         # a GPU worker keeps device globals (core.staging): its copies to and from the host leave
         # the training stream
         staging = self.layout.staging(p.device)
-        p.sync.attach(schedule, Link(driver, p.replica, p.rank, s.quantization, s.error_feedback,
-                                     n.bandwidth_gbps, n.latency_ms, k, p.sync.buffers,
-                                     units=self.layout.units, staging=staging), staging)  # fmt: skip
+        lay = self.layout
+        p.sync.attach(schedule, Link(driver, p.replica, lay.shard_rank, s.quantization, s.error_feedback,
+                                     n.bandwidth_gbps, n.latency_ms, k, p.sync.buffers, units=lay.units,
+                                     staging=staging, sends=lay.owns(lay.rank)), staging)  # fmt: skip
 
     def settle(self) -> int:
         """Wait until every sync this worker has started is answered (not merged: merges stay at
@@ -257,7 +258,7 @@ class ReplicaWorker:
     def load_global(self, fragment: int, global_p: list[Any], version: int = 0) -> None:
         """:meth:`WorkerState.load_global` of exchange unit ``fragment`` from the K outer shards'
         slices (object refs, as the driver's ``global_refs`` gives them)."""
-        if not self.layout.sharded or fragment % self.layout.world_size == self.layout.rank:
+        if self.layout.local_unit(fragment) is not None:
             self.state.load_global(fragment, fetch_global(global_p), version)
 
     def join(self, global_refs: list[Any], versions: list[int], step: int, reader_state: dict | None,

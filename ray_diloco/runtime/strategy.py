@@ -183,17 +183,17 @@ class DiLoCoSync(SyncStrategy):
         return cfg.diloco.replicas  # each replica's rank 0 talks to the driver
 
     def header(self, target: int) -> list[str]:
-        c = self.cfg
+        c, d = self.cfg, self.cfg.diloco
         lines = [
             f"M={c.diloco.replicas} replicas x {c.diloco.workers_per_replica} worker(s), H={c.diloco.H}, "
-            f"{c.run.steps} inner steps ({c.num_outer_steps} outer)"
+            f"{c.run.steps} inner steps ({c.num_outer_steps} outer)",
+            *filter(None, [ReplicaLayout.of_run(c).summary(c.diloco.sharding)]),
         ]
         if c.diloco.min_replicas > 1 or target > c.diloco.replicas:
             lines.append(
                 f"elastic: quorum {c.diloco.min_replicas}, up to {target} replicas, "
                 f"sync timeout {c.diloco.sync_timeout_s:g} s"
             )
-        d = c.diloco
         where = f"on a node with resource {d.driver_resource!r}" if d.driver_resource else "on the job's node"
         shards = (
             f"{d.outer_shards} shards (kept apart from their copies), each copied to the next: {'on' if d.outer_shard_backup else 'off'}"

@@ -16,7 +16,19 @@ from ray_diloco.components.data import eval_split, load_corpus, val_batch, val_w
 from ray_diloco.components.evaluate import model_from_checkpoint
 from ray_diloco.config import load_config
 from ray_diloco.core.fragments import param_specs, tensor_hash
-from ray_diloco.runtime.launcher import train
+from ray_diloco.errors import ConfigError
+from ray_diloco.runtime.launcher import prepare, train
+
+
+def deeper_copy(src, path):
+    """A copy of the model at ``src`` whose config.json says 3 layers where its weights hold 2."""
+    import shutil
+
+    shutil.copytree(src, path)
+    conf = json.loads((path / "config.json").read_text())
+    layers = {"layer_types": conf["layer_types"] + conf["layer_types"][-1:]} if "layer_types" in conf else {}
+    (path / "config.json").write_text(json.dumps({**conf, "num_hidden_layers": 3, **layers}))
+    return path
 
 
 def test_a_run_starts_from_the_saved_models_weights_and_exports_its_config_back(ray_session, tmp_path, small_text):
@@ -61,6 +73,12 @@ def test_a_run_starts_from_the_saved_models_weights_and_exports_its_config_back(
     ours = model_from_checkpoint(load_checkpoint(list_checkpoints(run_dir)[-1][1]), corpus.vocab_size).eval()
     with torch.no_grad():
         assert torch.allclose(back(x).logits, ours(x).logits, atol=1e-6, rtol=0)
+    # the model moved: a resume names where it is now (its tokenizer follows; the weights are the checkpoint's)
+    moved = src.rename(tmp_path / "moved")
+    with pytest.raises(ConfigError, match="the run started from it; --set model.init_from=PATH names where"):
+        prepare(resume=run_dir)
+    again, _, state = prepare(resume=run_dir, overrides=[f"model.init_from={moved}"])
+    assert again.model.init_from == again.data.tokenizer == str(moved) and state is not None
 
 
 def test_fsdp_ranks_read_only_their_rows_of_a_bf16_model_with_tied_embeddings(ray_session, tmp_path, small_text):
@@ -77,6 +95,10 @@ def test_fsdp_ranks_read_only_their_rows_of_a_bf16_model_with_tied_embeddings(ra
     raw = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=10, run__eval_every=2,
                          run__eval_tokens=2000, run__name="fsdp", diloco__workers_per_replica=2,
                          diloco__sharding="fsdp", inner__global_batch=8)
+    raw["model"] = {"init_from": str(deeper_copy(src, tmp_path / "deeper"))}
+    with pytest.raises(ConfigError, match="its weights have no model.layers.2.self_attn.q_proj.weight"):
+        train(load_config(raw))  # refused in the job (a worker's from_pretrained would initialise it at random)
+    assert not (tmp_path / "runs" / "fsdp").exists()
     raw["model"] = {"init_from": str(src)}
     summary = train(load_config(raw))
     rows = read_metrics(tmp_path / "runs" / "fsdp")

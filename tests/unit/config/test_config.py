@@ -143,3 +143,48 @@ def test_outer_shards_of_the_dp_baseline_are_refused():
     with pytest.raises(ConfigError, match=r"^diloco.outer_shards = 2: outer shards need algorithm: diloco"):
         load_config(None, ["algorithm=dp", "diloco.outer_shards=2"])
     assert load_config(None, ["algorithm=dp"]).diloco.outer_shards == 1
+
+
+def test_hsdp_shard_groups_default_and_bounds():
+    """S defaults to the largest divisor of W up to min(8, W / 2); a bad S, too few workers, the DP
+    baseline or S without hsdp are one line each naming the field."""
+    from ray_diloco.runtime.layout import ReplicaLayout
+
+    def s(w, *more):
+        return load_config(None, ["diloco.sharding=hsdp", f"diloco.workers_per_replica={w}", "inner.global_batch=192", *more])
+
+    assert [s(w).shard_group_size for w in (4, 6, 8, 12, 16, 32)] == [2, 3, 4, 6, 8, 8]
+    cfg = s(8, "diloco.shard_group_size=2")
+    assert (cfg.shard_group_size, cfg.exchange_units) == (2, 2)
+    lay = [ReplicaLayout.of(cfg, 8, r, __import__("torch").device("cpu")) for r in range(8)]
+    assert [la.shard_rank for la in lay] == [0, 1] * 4 and [la.sync_rank for la in lay] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [lay[0].owns(r) for r in range(8)] == [True, True] + [False] * 6 and lay[0].owner(5) == 1
+    assert lay[0].summary("hsdp") == "inside a replica: hsdp, the model sharded over 2 ranks, 4 shard groups all-reducing gradients"
+    fsdp = load_config(None, ["diloco.sharding=fsdp", "diloco.workers_per_replica=4", "inner.global_batch=16"])
+    assert ReplicaLayout.of_run(fsdp).summary("fsdp") == "inside a replica: fsdp, the model sharded over 4 ranks"
+    assert ReplicaLayout.of_run(load_config(None, [])).summary("ddp") is None
+    for more, line in [
+        (["diloco.shard_group_size=3"], "diloco.shard_group_size = 3: must divide diloco.workers_per_replica = 8"),
+        (["diloco.shard_group_size=8"], "diloco.shard_group_size = 8: must divide diloco.workers_per_replica = 8"),
+        (["diloco.shard_group_size=1"], "diloco.shard_group_size = 1: must divide"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            s(8, *more)
+        assert len(e.value.problems) == 1 and e.value.problems[0].startswith(line), e.value.problems
+    with pytest.raises(ConfigError) as e:
+        s(2)
+    assert e.value.problems == ["diloco.sharding = 'hsdp': hsdp shards a replica over its workers: "
+                                "needs diloco.workers_per_replica >= 4 (it is 2)"]
+    with pytest.raises(ConfigError) as e:
+        s(4, "algorithm=dp")
+    assert any("hsdp is for DiLoCo replicas" in p for p in e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["diloco.sharding=fsdp", "diloco.workers_per_replica=4", "inner.global_batch=16", "diloco.shard_group_size=2"])
+    assert e.value.problems == ["diloco.shard_group_size = 2: is read only with diloco.sharding = hsdp (it is fsdp)"]
+
+
+def test_a_config_error_rebuilt_from_its_message_keeps_it_whole():
+    """Ray re-raises a worker's error by calling its class with the message: a str, which was
+    split into one "problem" per character ("m; o; d; e; l; ...")."""
+    assert ConfigError("model.init_from = 'x': bad").problems == ["model.init_from = 'x': bad"]
+    assert ConfigError(["a = 1: bad", "b = 2: bad"]).lines() == ["config error: a = 1: bad", "config error: b = 2: bad"]

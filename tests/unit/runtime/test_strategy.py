@@ -86,3 +86,12 @@ def test_a_resolved_run_never_changes_the_users_config():
     assert (run.run.steps, run.diloco.cpus_per_worker, run.model.family, run.model.n_layers) == (77, 0.5, "gpt2", 4)
     assert (user.run.steps, user.diloco.cpus_per_worker, user.model.family, user.model.n_layers) == (40, None, None, None)
     assert ResolvedRun.resolve(load_config(overrides=["model.n_layers=2"])).model["n_layers"] == 2  # the user's wins
+
+
+def test_hsdp_ranks_fill_a_node_before_the_next():
+    """A shard group is consecutive ranks: PACK may interleave bundles over nodes, the ranks don't."""
+    from ray_diloco.runtime.cluster import ranks_by_node
+
+    assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]  # ranks 0, 1 on node a; 2, 3 on b
+    assert ranks_by_node(["b", "a", "a", "b", "c", "a"]) == [0, 3, 1, 2, 5, 4]
+    assert ranks_by_node(["n"] * 4) == [0, 1, 2, 3]  # one node: bundle r for rank r
