@@ -1,4 +1,4 @@
-"""Save a tiny llama as a released model is saved, to try continued pre-training (``model.init_from``)
+"""Save a tiny llama in the layout of a released model (save_pretrained), to try continued pre-training (``model.init_from``)
 without a download: ``python examples/tiny_llama.py DIR``.
 
 ``DIR`` gets what ``save_pretrained`` writes (``config.json``, ``model.safetensors``, the

@@ -47,7 +47,7 @@ def tiny_overrides(tmp_path: Path, **extra) -> dict:
 def save_tiny_model(path: Path, text: str, family: str = "llama", dtype: torch.dtype = torch.float32,
                     tie: bool = False) -> Path:
     """README's tiny llama (``examples/tiny_llama.py``: 2 layers, width 32, grouped-query attention,
-    RoPE base 5000, a char-level tokenizer of ``text``), saved at ``path`` as a released model is."""
+    RoPE base 5000, a char-level tokenizer of ``text``), saved at ``path`` in the layout of a released model."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tiny_llama", ROOT / "examples" / "tiny_llama.py")
