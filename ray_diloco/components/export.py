@@ -43,7 +43,7 @@ def model_with_params(
     from ray_diloco.core.fragments import fragment_plan
     from ray_diloco.models.transformer import build_model
 
-    model = build_model(cfg, vocab_size, model_fn)
+    model = build_model(cfg, vocab_size, model_fn, weights=False)  # every parameter is overwritten below
     try:
         frags = fragment_plan(cfg, param_specs(model))
     except ValueError as e:

@@ -87,6 +87,16 @@ def pretrained_config(init_from: str) -> dict[str, Any]:
     return cfg
 
 
+def config_dir(init_from: str) -> Path:
+    """The local directory holding the model's ``config.json`` (``init_from`` itself, or the hub
+    snapshot of that file alone): for building its architecture without reading its weights.
+
+    Raises:
+        ConfigError: as :func:`pretrained_config`."""
+    pretrained_config(init_from)
+    return Path(init_from).expanduser().resolve() if _is_local(init_from) else _hub_config_dir(init_from)
+
+
 def model_dir(init_from: str) -> Path:
     """The local directory of the model's files: ``init_from`` itself, or its hub snapshot with
     weights and tokenizer (:data:`FILES`), fetched once into the cache.

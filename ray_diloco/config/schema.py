@@ -449,7 +449,11 @@ class Config:
         d = self.diloco
         if d.sharding == "hsdp":
             w = d.workers_per_replica
-            return d.shard_group_size or max([g for g in range(2, min(8, w // 2) + 1) if w % g == 0] or [1])
+            return (
+                d.shard_group_size
+                if d.shard_group_size is not None
+                else max([g for g in range(2, min(8, w // 2) + 1) if w % g == 0] or [1])
+            )
         return d.workers_per_replica if d.sharding == "fsdp" else 1
 
     @property

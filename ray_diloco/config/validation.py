@@ -172,10 +172,14 @@ def _check_sharding(cfg: Config, e: list[str]) -> None:
             d.sharding,
             f"{d.sharding} is for DiLoCo replicas; the {cfg.algorithm} baseline uses DDP",
         )
-    if d.sharding == "hsdp" and d.workers_per_replica >= 4:
-        w, g = d.workers_per_replica, cfg.shard_group_size
+    w, g = d.workers_per_replica, d.shard_group_size
+    if d.sharding == "hsdp" and w >= 4 and g is not None:
         _need(e, 2 <= g < w and w % g == 0, "diloco.shard_group_size", g,
               f"must divide diloco.workers_per_replica = {w}, with 2 <= S < {w} (S = {w}: sharding fsdp)")  # fmt: skip
+    elif d.sharding == "hsdp" and w >= 4:
+        _need(e, cfg.shard_group_size > 1, "diloco.workers_per_replica", w,
+              "hsdp needs shard groups of S ranks, 2 <= S < W dividing W, and it has no such divisor "
+              "(use a W with one, such as 4 or 6, or sharding fsdp)")  # fmt: skip
     if d.shard_group_size is not None and d.sharding != "hsdp":
         _need(e, False, "diloco.shard_group_size", d.shard_group_size,
               f"is read only with diloco.sharding = hsdp (it is {d.sharding})")  # fmt: skip
@@ -230,6 +234,8 @@ def _check_model(cfg: Config, e: list[str]) -> None:
         _need(e, v is None or v >= 1, f"model.{k}", v, "must be an integer >= 1")
     _need(e, m.z_loss is None or m.z_loss >= 0, "model.z_loss", m.z_loss, "must be >= 0")
     _need(e, m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _need(e, m.init_from is None or bool(m.init_from.strip()), "model.init_from", m.init_from,
+          "must name a model directory or a hub id (leave it unset for a preset)")  # fmt: skip
     if m.init_from is not None and not e:  # its config.json (a hub id: that file is fetched)
         from ray_diloco.config.pretrained import init_from_problems
 

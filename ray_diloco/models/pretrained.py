@@ -88,9 +88,18 @@ def check_weights(init_from: str) -> None:
 
     root = model_dir(init_from)
     table = weight_table(init_from, root)
-    with torch.device("meta"):
-        model = pretrained_model(init_from)
     where = f"model.init_from = {init_from!r}"
+    try:
+        with torch.device("meta"):
+            model = pretrained_model(init_from)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers fails on a bad field in many ways (0 heads, an unknown activation)
+        raise ConfigError(
+            [
+                f"{where}: its config.json does not build a model ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r})"
+            ]
+        ) from None
     missing, wrong = [], []
     for name, p in model.named_parameters():
         w = locate(model, name, table)

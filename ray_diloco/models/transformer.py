@@ -72,38 +72,43 @@ def hf_config(shape: dict[str, Any]):
     return LlamaConfig(**common)
 
 
-def build_transformers_model(shape: dict[str, Any], vocab_size: int | None = None) -> torch.nn.Module:
+def build_transformers_model(
+    shape: dict[str, Any], vocab_size: int | None = None, weights: bool = True
+) -> torch.nn.Module:
     """Randomly initialised ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (fp32,
     on CPU), or, when ``shape["init_from"]`` names a model, that model with its weights in fp32
-    (:func:`pretrained_model`)."""
+    (:func:`pretrained_model`; ``weights`` False: its architecture only, for parameters that are
+    about to be overwritten)."""
     from transformers import AutoModelForCausalLM
 
     if shape.get("init_from"):
-        return pretrained_model(shape["init_from"])
+        return pretrained_model(shape["init_from"], weights)
     if vocab_size is not None and shape.get("vocab_size") is None:
         shape = {**shape, "vocab_size": vocab_size}
     return AutoModelForCausalLM.from_config(hf_config(shape), attn_implementation="sdpa")
 
 
-def pretrained_model(init_from: str) -> torch.nn.Module:
+def pretrained_model(init_from: str, weights: bool = True) -> torch.nn.Module:
     """The model of ``model.init_from`` (a local directory or a hub id:
     :func:`~ray_diloco.config.pretrained.model_dir`), built from its own ``config.json`` (fields our
     shape does not name, such as ``num_key_value_heads`` or ``rope_theta``, included) with its
     weights in fp32 (bf16 files are widened; tied embeddings stay tied); the KV cache off, as
-    for training. Under ``torch.device("meta")`` (counting parameters) no weights are read.
+    for training. Under ``torch.device("meta")`` (counting parameters), or with ``weights``
+    False (randomly initialised: a checkpoint's parameters go in next), no weights are read.
 
     Raises:
         ConfigError: the model cannot be found or read."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ray_diloco.config.pretrained import model_dir
-
-    path = model_dir(init_from)
     from transformers.utils import logging as hf_logging
 
+    from ray_diloco.config.pretrained import config_dir, model_dir
+
     hf_logging.disable_progress_bar()  # no "Loading weights" bar from every worker
-    if torch.empty(0).device.type == "meta":
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
+    if not weights or torch.empty(0).device.type == "meta":
+        conf = AutoConfig.from_pretrained(config_dir(init_from))
+        conf.use_cache = False
+        return AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa")
+    path = model_dir(init_from)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     except (OSError, ValueError, RuntimeError) as e:
@@ -189,11 +194,14 @@ def budget_steps(cfg: Any, vocab_size: int, model_fn: ModelFn | None = None) -> 
     return steps
 
 
-def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None) -> torch.nn.Module:
-    """The model with the run seed's initialisation, identical in every process (fp32)."""
+def build_model(cfg: Config, vocab_size: int, model_fn: ModelFn | None = None, weights: bool = True) -> torch.nn.Module:
+    """The model with the run seed's initialisation, identical in every process (fp32);
+    ``model.init_from``'s weights unless ``weights`` is False (parameters about to be overwritten)."""
     torch.manual_seed(cfg.run.seed)
     shape = resolve_model_shape(cfg.model, vocab_size)
-    return (model_fn or build_transformers_model)(shape, shape["vocab_size"])
+    if model_fn is not None:
+        return model_fn(shape, shape["vocab_size"])
+    return build_transformers_model(shape, shape["vocab_size"], weights)
 
 
 def make_inner_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:

@@ -337,6 +337,10 @@ class WorkerState:
         """sha256 of this worker's local parameters (fp32 bytes, exchange order)."""
         return tensor_hash([self.p.params[s.name] for s in self.p.specs])
 
+    def nonfinite_params(self) -> list[str]:
+        """The names of this worker's local parameters (FSDP: its rows) holding a NaN or infinity."""
+        return [s.name for s in self.p.specs if not bool(torch.isfinite(self.p.params[s.name]).all())]
+
     def inner_optimizer_state(self) -> dict[str, Any]:
         """A host copy of this worker's inner-optimiser ``state_dict`` (what a joiner may start from)."""
         return to_host(self.p.optimizer.state_dict())

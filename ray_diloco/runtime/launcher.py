@@ -141,6 +141,7 @@ def _check_resumable(cfg: Config, saved: Config) -> None:
     """Raise :class:`ConfigError` naming each structural field that differs from the checkpoint's."""
     now, then = cfg.to_dict(), saved.to_dict()
     now["model"]["init_from"] = then["model"]["init_from"]  # where the model is may change (_follow_moved_model)
+    now["diloco"]["shard_group_size"], then["diloco"]["shard_group_size"] = cfg.shard_group_size, saved.shard_group_size
     if cfg.data.tokenizer == cfg.model.init_from and saved.data.tokenizer == saved.model.init_from:
         now["data"]["tokenizer"] = then["data"]["tokenizer"]
     problems = []
@@ -167,9 +168,10 @@ def _load_run_config(run_dir: Path, overrides: list[str] | None) -> Config:
     try:
         return load_config(run_dir / "config.yaml", overrides)
     except ConfigError as e:
+        began = load_config(run_dir / "config.yaml", validate=False).model.init_from
         hint = " (the run started from it; --set model.init_from=PATH names where that model is now)"
         raise ConfigError(
-            [p + hint if p.startswith("model.init_from = ") and ": no such directory" in p else p for p in e.problems]
+            [p + hint if p.startswith(f"model.init_from = {began!r}: no such directory") else p for p in e.problems]
         ) from None
 
 

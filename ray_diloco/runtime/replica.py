@@ -288,6 +288,10 @@ class ReplicaWorker:
         """:meth:`WorkerState.params_hash`."""
         return self.state.params_hash()
 
+    def nonfinite_params(self) -> list[str]:
+        """:meth:`WorkerState.nonfinite_params`."""
+        return self.state.nonfinite_params()
+
     def global_hash(self) -> str:
         """sha256 of the global parameters this worker holds (all fragments)."""
         return self.parts.sync.global_hash()

@@ -50,6 +50,16 @@ from ray_diloco.runtime.supervisor import Supervisor
 logger = logging.getLogger(__name__)
 
 
+def _refuse_nonfinite(init_from: str | None, per_worker: list[list[str]]) -> None:
+    """Raise :class:`ConfigError` when a worker's loaded ``model.init_from`` parameters hold a NaN
+    or infinity (``per_worker``: each worker's such names): every outer round would be rejected as
+    non-finite and the run would end at NaN."""
+    bad = sorted({name for names in per_worker for name in names})
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ConfigError([f"model.init_from = {init_from!r}: its weights hold NaN or infinity ({bad[0]}{more})"])
+
+
 class Trainer:
     """A DiLoCo (or DP) run on Ray. Use :func:`ray_diloco.train` unless you need the pieces.
 
@@ -271,9 +281,13 @@ class Trainer:
     def starting_row(self) -> dict[str, Any]:
         """Row 0 of a run from ``model.init_from``: each worker's sha256 of its starting parameters
         (DDP: the loaded model's, equal everywhere; FSDP: a rank's rows) and, when the run
-        evaluates, the loaded model's validation loss before any training."""
+        evaluates, the loaded model's validation loss before any training. Raises ConfigError: the
+        loaded weights hold a NaN or infinity."""
         assert self.supervisor is not None  # set by start
-        hashes = self.supervisor.gather({w.params_hash.remote(): r for r in self.replicas for w in r.workers})
+        workers = [(r, w) for r in self.replicas for w in r.workers]
+        nonfinite = self.supervisor.gather({w.nonfinite_params.remote(): r for r, w in workers})
+        _refuse_nonfinite(self.cfg.model.init_from, nonfinite)
+        hashes = self.supervisor.gather({w.params_hash.remote(): r for r, w in workers})
         row: dict[str, Any] = {"outer_step": 0, "inner_step": 0, "start_params_sha256": hashes}
         if self.cfg.run.eval_every:
             row["eval_loss"] = self.evaluate()

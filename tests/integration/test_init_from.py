@@ -37,11 +37,20 @@ def test_a_run_starts_from_the_saved_models_weights_and_exports_its_config_back(
     hashes); row 0's evaluation is the file's loss on the run's validation tokens computed by
     transformers alone; training moves it; the export keeps the source's config and gives the
     checkpoint's logits in transformers."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = save_tiny_model(tmp_path / "tiny-llama", small_text.read_text())
     raw = tiny_overrides(tmp_path, data__path=str(small_text), run__steps=10, run__eval_every=1,
                          run__eval_tokens=2000, run__name="cpt", run__checkpoint_every=2)
+    nan = save_tiny_model(tmp_path / "nan-llama", small_text.read_text())
+    weights = load_file(str(nan / "model.safetensors"))
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    raw["model"], raw["run"]["name"] = {"init_from": str(nan)}, "nan"
+    with pytest.raises(ConfigError, match=r"its weights hold NaN or infinity \(model.norm.weight\)"):
+        train(load_config(raw))  # every round would be rejected as non-finite and the run end at NaN
+    raw["run"]["name"] = "cpt"
     raw["model"] = {"init_from": str(src)}
     cfg = load_config(raw)
     assert cfg.data.tokenizer == str(src)

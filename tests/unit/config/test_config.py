@@ -167,10 +167,14 @@ def test_hsdp_shard_groups_default_and_bounds():
         (["diloco.shard_group_size=3"], "diloco.shard_group_size = 3: must divide diloco.workers_per_replica = 8"),
         (["diloco.shard_group_size=8"], "diloco.shard_group_size = 8: must divide diloco.workers_per_replica = 8"),
         (["diloco.shard_group_size=1"], "diloco.shard_group_size = 1: must divide"),
+        (["diloco.shard_group_size=0"], "diloco.shard_group_size = 0: must divide"),  # not "the default"
     ]:
         with pytest.raises(ConfigError) as e:
             s(8, *more)
         assert len(e.value.problems) == 1 and e.value.problems[0].startswith(line), e.value.problems
+    with pytest.raises(ConfigError) as e:
+        s(5)  # no S with 2 <= S < 5 divides 5: the field to change is W (S was never given)
+    assert any(p.startswith("diloco.workers_per_replica = 5: hsdp needs shard groups") for p in e.value.problems)
     with pytest.raises(ConfigError) as e:
         s(2)
     assert e.value.problems == ["diloco.sharding = 'hsdp': hsdp shards a replica over its workers: "

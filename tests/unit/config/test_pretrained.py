@@ -60,6 +60,9 @@ def test_a_conflicting_shape_field_and_a_model_that_is_not_there_are_one_line(ll
     (tmp_path / "mistral" / "config.json").write_text('{"model_type": "mistral"}')
     (tmp_path / "no-tokenizer").mkdir()
     (tmp_path / "no-tokenizer" / "config.json").write_text((llama_dir / "config.json").read_text())
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.init_from="])  # not the current directory
+    assert e.value.problems == ["model.init_from = '': must name a model directory or a hub id (leave it unset for a preset)"]
     for init_from, why in [
         (str(tmp_path / "nope"), "no such directory"),
         (str(tmp_path / "empty"), "it has no config.json (a transformers model directory)"),
@@ -125,6 +128,8 @@ def test_weights_that_are_not_the_configs_or_damaged_stop_the_job_before_any_wor
          "(6 parameters differ)"),
         (str(cut), "model.safetensors cannot be read as safetensors (Error while deserializing header"),
         (str(bare), "it has no *.safetensors weights (save it with save_pretrained)"),
+        (_edited(tmp_path / "kv0", llama_dir, num_key_value_heads=0), "its config.json does not build a model ("),
+        (_edited(tmp_path / "act", llama_dir, hidden_act="nope"), "its config.json does not build a model (KeyError"),
     ]:
         with pytest.raises(ConfigError) as e:
             check_weights(path)

@@ -95,3 +95,16 @@ def test_hsdp_ranks_fill_a_node_before_the_next():
     assert ranks_by_node(["a", "b", "a", "b"]) == [0, 2, 1, 3]  # ranks 0, 1 on node a; 2, 3 on b
     assert ranks_by_node(["b", "a", "a", "b", "c", "a"]) == [0, 3, 1, 2, 5, 4]
     assert ranks_by_node(["n"] * 4) == [0, 1, 2, 3]  # one node: bundle r for rank r
+
+
+def test_a_resume_compares_the_shard_group_size_it_resolves_to():
+    """A run left at the default S may be resumed with that S written out, not with another."""
+    from ray_diloco.errors import ConfigError
+    from ray_diloco.runtime.launcher import _check_resumable
+
+    base = ["diloco.sharding=hsdp", "diloco.workers_per_replica=8", "inner.global_batch=16"]
+    saved = load_config(overrides=base)  # S = 4
+    _check_resumable(load_config(overrides=[*base, "diloco.shard_group_size=4"]), saved)
+    with pytest.raises(ConfigError) as e:
+        _check_resumable(load_config(overrides=[*base, "diloco.shard_group_size=2"]), saved)
+    assert e.value.problems == ["diloco.shard_group_size = 2: the checkpoint was trained with 4; it cannot change on resume"]
