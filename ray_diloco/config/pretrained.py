@@ -87,6 +87,12 @@ def pretrained_config(init_from: str) -> dict[str, Any]:
     return cfg
 
 
+@functools.lru_cache(maxsize=8)
+def _hub_model_dir(init_from: str) -> Path:
+    """The hub snapshot holding ``init_from``'s weights and tokenizer (asked of the hub once a process)."""
+    return _fetch(init_from, FILES)
+
+
 def config_dir(init_from: str) -> Path:
     """The local directory holding the model's ``config.json`` (``init_from`` itself, or the hub
     snapshot of that file alone): for building its architecture without reading its weights.
@@ -104,7 +110,7 @@ def model_dir(init_from: str) -> Path:
     Raises:
         ConfigError: as :func:`pretrained_config`."""
     pretrained_config(init_from)
-    return Path(init_from).expanduser().resolve() if _is_local(init_from) else _fetch(init_from, FILES)
+    return Path(init_from).expanduser().resolve() if _is_local(init_from) else _hub_model_dir(init_from)
 
 
 def pretrained_shape(init_from: str) -> dict[str, Any]:
@@ -118,11 +124,12 @@ def pretrained_shape(init_from: str) -> dict[str, Any]:
             not a bool)."""
     cfg = pretrained_config(init_from)
     family = cfg["model_type"]
-    shape: dict[str, Any] = {"family": family, "z_loss": 0.0, "vocab_size": cfg.get("vocab_size")}
-    for ours, key, default in _KEYS[family]:
+    shape: dict[str, Any] = {"family": family, "z_loss": 0.0}
+    optional = {"vocab_size", "d_ff"} if family == "gpt2" else {"vocab_size"}  # None: the tokenizer's, 4 x width
+    for ours, key, default in [*_KEYS[family], ("vocab_size", "vocab_size", None)]:
         shape[ours] = value = cfg.get(key, default)
         kind = bool if ours == "tie_embeddings" else int
-        if value is None and not (ours == "d_ff" and family == "gpt2"):
+        if value is None and ours not in optional:
             raise ConfigError([f"model.init_from = {init_from!r}: its config.json has no {key}"])
         if value is not None and (type(value) is not kind or (kind is int and value < 1)):
             what = "true or false" if kind is bool else "a positive integer"
@@ -131,13 +138,6 @@ def pretrained_shape(init_from: str) -> dict[str, Any]:
             )
     if shape["d_ff"] is None:  # gpt2's default
         shape["d_ff"] = 4 * shape["d_model"]
-    vocab = shape["vocab_size"]
-    if vocab is not None and (type(vocab) is not int or vocab < 1):
-        raise ConfigError(
-            [
-                f"model.init_from = {init_from!r}: its config.json has vocab_size = {vocab!r}; expected a positive integer"
-            ]
-        )
     return shape
 
 

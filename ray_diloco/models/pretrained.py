@@ -30,8 +30,8 @@ class Weight(NamedTuple):
     shape: tuple[int, ...]
 
 
-def weight_table(init_from: str, root: Path) -> dict[str, Weight]:
-    """Every tensor of the model directory ``root``'s safetensors files (the index's, or every
+def weight_table(init_from: str) -> dict[str, Weight]:
+    """Every tensor of ``init_from``'s safetensors files (its model directory's index's, or every
     ``*.safetensors``), key -> :class:`Weight`, read from the headers alone.
 
     Raises:
@@ -40,6 +40,9 @@ def weight_table(init_from: str, root: Path) -> dict[str, Weight]:
             and the file)."""
     from safetensors import safe_open
 
+    from ray_diloco.config.pretrained import model_dir
+
+    root = model_dir(init_from)
     index = root / "model.safetensors.index.json"
     where = f"model.init_from = {init_from!r}"
     try:
@@ -83,11 +86,9 @@ def check_weights(init_from: str) -> None:
         ConfigError: one line naming ``model.init_from`` and the first problem (and how many)."""
     import logging
 
-    from ray_diloco.config.pretrained import model_dir
     from ray_diloco.models.transformer import pretrained_model
 
-    root = model_dir(init_from)
-    table = weight_table(init_from, root)
+    table = weight_table(init_from)
     where = f"model.init_from = {init_from!r}"
     try:
         with torch.device("meta"):

@@ -87,12 +87,11 @@ def load_own_rows(model: torch.nn.Module, init_from: str, shards: int, shard: in
         ConfigError: a parameter the files do not hold, or of another shape."""
     from safetensors import safe_open
 
-    from ray_diloco.config.pretrained import model_dir
     from ray_diloco.core.shards import rank_rows
     from ray_diloco.errors import ConfigError
     from ray_diloco.models.pretrained import locate, weight_table
 
-    table = weight_table(init_from, model_dir(init_from))
+    table = weight_table(init_from)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, _ in model.named_non_persistent_buffers():  # type: ignore[operator]  # a transformers model

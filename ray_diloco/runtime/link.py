@@ -93,9 +93,9 @@ class Link:
     Args:
         driver: the ``OuterDriver`` actor handle.
         replica, rank: who this worker is (rank: the rows it holds, its rank in its shard group;
-            0 unsharded). sends: it sends pseudo-gradients (default: rank 0, or every rank when
-            ``units`` > 1; ``ReplicaLayout.owns``: the replica's rank 0, or the first shard group's
-            ranks); every rank receives.
+            0 unsharded). sends: it sends pseudo-gradients (a worker's link:
+            ``ReplicaLayout.owns``, the replica's rank 0 or the first shard group's ranks); every
+            rank receives.
         fmt: ``streaming.quantization``. error_feedback: keep per-fragment residuals (rank 0).
         bandwidth_gbps, latency_ms: WAN emulation, slept on this thread per message.
         shards: ``diloco.outer_shards`` K: the pseudo-gradient is sent as K slices
@@ -127,11 +127,9 @@ class Link:
     stats: LinkStats = field(default_factory=LinkStats)
     units: int = 1
     staging: DeviceStaging | None = None
-    sends: bool | None = None
+    sends: bool = True
 
     def __post_init__(self):
-        if self.sends is None:
-            self.sends = self.rank == 0 or self.units > 1
         self.uplink = Uplink(self.fmt, self.error_feedback, self.shards, self.buffers)  # owns the residuals
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"diloco-link-{self.replica}-{self.rank}")
         self._lock = threading.Lock()
