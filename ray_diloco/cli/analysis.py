@@ -48,10 +48,14 @@ def add_law_commands(sub: Any) -> None:
         "fit", help="scaling laws from a sweep: power laws, joint forms, optimal lr/batch/outer lr, plots"
     )
     fi.add_argument(
-        "table", metavar="SWEEP_DIR|TABLE", help="a sweep directory (results.parquet/csv) or a .csv/.parquet"
+        "table",
+        nargs="+",
+        metavar="SWEEP_DIR|TABLE",
+        help="sweep directories (results.parquet/csv) or .csv/.parquet tables; several are fitted as one "
+        "(a study's main grid and its outer-lr sweep)",
     )
     fi.add_argument(
-        "--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the table)"
+        "--out", default=None, metavar="DIR", help="where fits.json and the plots go (default: next to the first table)"
     )
     fi.add_argument("--json", default=None, metavar="PATH", help="also write the fits as JSON here")
     fi.add_argument(
@@ -169,10 +173,13 @@ def cmd_fit(a: argparse.Namespace) -> int:
     check_output("--json", a.json)
     if a.out is not None and Path(a.out).expanduser().exists() and not Path(a.out).expanduser().is_dir():
         raise RayDilocoError(f"--out {a.out}: not a directory (fits.json and the plots go into it)")
-    df = load_table(a.table)
+    import pandas as pd
+
+    tables = [load_table(t) for t in a.table]
+    df = tables[0] if len(tables) == 1 else pd.concat(tables, ignore_index=True)
     fits = fit_all(df, starts=a.starts)
     print(format_fits(fits))
-    src = Path(a.table).expanduser()
+    src = Path(a.table[0]).expanduser()
     out = Path(a.out).expanduser() if a.out else (src if src.is_dir() else src.parent)
     write_json(str(out / "fits.json"), fits)
     print(f"\nfits: {out / 'fits.json'} (ray-diloco predict --fits {out / 'fits.json'} --params N --replicas M)")

@@ -132,8 +132,22 @@ class SweepSpec:
         return [{k: v[i % len(v)] for k, v in per_key.items()} for i in range(n)]
 
     def overrides(self, params: dict[str, Any]) -> list[str]:
-        """``--set`` strings of the fixed overrides followed by one trial's parameters."""
-        return [f"{k}={fmt_value(v)}" for k, v in {**self.set, **params}.items()]
+        """``--set`` strings of the fixed overrides followed by one trial's parameters. A grouped
+        value (a mapping, or its :func:`group_label` as the results table shows it) sets each of
+        its fields."""
+        out = [f"{k}={fmt_value(v)}" for k, v in self.set.items()]
+        for k, v in params.items():
+            group = self.group(k, v)
+            out += [f"{f}={fmt_value(x)}" for f, x in group.items()] if group is not None else [f"{k}={fmt_value(v)}"]
+        return out
+
+    def group(self, key: str, value: Any) -> dict[str, Any] | None:
+        """The fields a grouped grid value of ``key`` sets (``value`` a mapping or its label),
+        None for a plain value."""
+        if isinstance(value, dict):
+            return value
+        values = (self.params.get(key) or {}).get("grid") or (self.params.get(key) or {}).get("choice") or []
+        return next((g for g in values if isinstance(g, dict) and group_label(g) == value), None)
 
     def trial_config(self, params: dict[str, Any], validate: bool = True) -> Config:
         """The config of a trial with ``params`` (the sweep's resource defaults filled in).
@@ -155,6 +169,11 @@ class SweepSpec:
             worker["GPU"] = float(d.gpus_per_worker)
         n = strategy_class(cfg).workers(cfg)
         return [{"CPU": float(self.resources.get("trial_cpus", 0.5))}] + [dict(worker) for _ in range(n)]
+
+
+def group_label(group: dict[str, Any]) -> str:
+    """A grouped grid value as one table cell: ``field=value`` pairs joined by spaces."""
+    return " ".join(f"{k}={fmt_value(v)}" for k, v in group.items())
 
 
 def fmt_value(v: Any) -> str:
@@ -198,6 +217,16 @@ def _check_param(key: str, p: Any, problems: list[str]) -> None:
             not isinstance(arg, list) or not any(isinstance(x, float) and not math.isfinite(x) for x in arg),
             problems,
             f"{where}.{kind} = {arg!r}: numbers must be finite",
+        )
+        groups = [x for x in arg if isinstance(x, dict)] if isinstance(arg, list) else []
+        _need(
+            not groups
+            or (
+                len(groups) == len(arg)
+                and all(g and all(isinstance(k, str) and not isinstance(v, dict) for k, v in g.items()) for g in groups)
+            ),
+            problems,
+            f"{where}.{kind} = {arg!r}: grouped values must all be non-empty mappings of config fields to values",
         )
         _need(
             not isinstance(arg, list) or len(arg) <= MAX_GRID,

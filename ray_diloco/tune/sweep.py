@@ -55,7 +55,7 @@ from ray_diloco.config import load_config
 from ray_diloco.errors import ConfigError
 from ray_diloco.log import RESULT, installed
 from ray_diloco.runtime.strategy import strategy_class
-from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, load_space, load_spec
+from ray_diloco.tune.space import SPEC_FILE, SweepSpec, fmt_value, group_label, load_space, load_spec
 from ray_diloco.tune.trial import DilocoTrial, best_eval_loss, metrics_rows, tune_metrics
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ def _max_outer_steps(spec: SweepSpec) -> int:
 
     base = spec.examples()[0]
     keys = [
-        k for k in spec.params if k.startswith(("model.", "run.", "diloco.H", "inner.global_batch", "data.seq_len"))
+        k
+        for k in spec.params
+        if k.startswith(("model.", "run.", "diloco.H", "inner.global_batch", "data.seq_len"))
+        or any(isinstance(v, dict) for v in spec.grid_values(k) or [])
     ]
     values = [spec.grid_values(k) or [v for v in spec.examples() for v in [v[k]]] for k in keys]
     most = 1
@@ -361,7 +364,7 @@ def results_rows(spec: SweepSpec, grid: Any) -> list[dict[str, Any]]:
             "trial": getattr(t, "trial_id", None) or (Path(r.path).name if r.path else None),
             "status": status,
         }
-        row.update(params)
+        row.update({k: group_label(v) if isinstance(v, dict) else v for k, v in params.items()})
         here = spec.local_dir / "trials" / str(row["trial"])  # where it is now (the sweep may have been moved)
         run_dir = str(here) if here.is_dir() else m.get("run_dir")
         summary = {}

@@ -46,6 +46,9 @@ def _space(tmp_path: Path, text: str) -> Path:
      "resources.cpus_per_worker = inf: must be a finite number > 0"),
     ("params: [inner.lr]\n", "params = ['inner.lr']: must be a non-empty mapping"),
     ("params: {outer.lr: {grid: [.nan, 0.4]}}\n", "params.outer.lr.grid = [nan, 0.4]: numbers must be finite"),
+    ("params: {method: {grid: [{algorithm: dp}, 2]}}\n",
+     "params.method.grid = [{'algorithm': 'dp'}, 2]: grouped values must all be non-empty mappings"),
+    ("params: {method: {grid: [{algorithm: dp, diloco.replicaz: 1}]}}\n", "diloco.replicaz: unknown config field"),
     ("params: {inner.lr: {geometric: {start: 1.0e-4, factor: 1.01, count: 1000}}, inner.warmup_steps: "
      "{geometric: {start: 1, factor: 1, count: 1000}}}\n", "params: the grids make 1,000,000 trials"),
 ])
@@ -118,6 +121,24 @@ def test_papers_grids_and_trial_bundles():
     b = s.bundles(cfg)
     assert len(b) == 1 + 4 * cfg.diloco.workers_per_replica
     assert all(x == {"CPU": cfg.diloco.cpus_per_worker} for x in b[1:])
+
+
+def test_a_grouped_grid_value_sets_several_fields_and_reads_back_from_its_label():
+    """The study's grid pairs d_model with d_ff and DP with one worker (not DP x every M): each
+    grouped value is one trial's several fields, and the results table's label of it (what
+    best_config.yaml is rebuilt from) gives the same config."""
+    from ray_diloco.tune.space import group_label
+
+    s = load_space(ROOT / "tune_spaces" / "cpu_scaling_study.yaml", name="check", storage_path="/tmp/unused")
+    methods = s.grid_values("method")
+    assert len(methods) == 4 and methods[0] == {"algorithm": "dp", "diloco.replicas": 1}
+    params = {"size": s.grid_values("size")[1], "method": methods[3], "inner.lr": 4e-3, "inner.global_batch": 16}
+    cfg = s.trial_config(params)
+    assert (cfg.model.d_model, cfg.model.d_ff, cfg.algorithm, cfg.diloco.replicas) == (36, 96, "diloco", 4)
+    labels = {k: group_label(v) if isinstance(v, dict) else v for k, v in params.items()}
+    assert labels["method"] == "algorithm=diloco diloco.replicas=4"
+    assert s.trial_config(labels).to_yaml() == cfg.to_yaml()
+    assert len(s.bundles(s.trial_config({**params, "method": methods[0]}))) == 2  # DP: its own bundle + 1 worker
 
 
 def test_tune_cli_bad_input_is_one_line(tmp_path):
