@@ -33,7 +33,7 @@ from ray_diloco.analysis.paper import (
 )
 from ray_diloco.errors import DataError
 
-FIXTURE = ROOT / "tests" / "fixtures" / "cpu_sweep_results.csv"
+FIXTURE = ROOT / "tests" / "fixtures" / "cpu_scaling_study.csv"  # stages 1 and 2 of our CPU study
 
 
 @pytest.mark.parametrize("algorithm", list(PAPER_INDEPENDENT))
@@ -288,15 +288,26 @@ def test_predict_flags_a_size_below_the_fitted_range():
 
 
 def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
-    """Done-when 4: the results table of a real CPU sweep of this project (tests/fixtures, the
-    columns of the results.csv that `ray-diloco tune --space tune_spaces/cpu_fit_demo.yaml` wrote:
-    3 widths x {DP, M=1, M=2} x 2 inner lrs on Tiny Shakespeare) through fit and predict."""
+    """The study's table (tests/fixtures/cpu_scaling_study.csv: the results.csv of
+    `tune_spaces/cpu_scaling_study.yaml` and `..._stage2.yaml`, 3 sizes x {DP, M=1, 2, 4}) through
+    fit (the command, its defaults) and predict; the laws and the forms' leave-one-size-out
+    residuals are the ones docs/scaling-laws.md reports."""
     table = load_table(FIXTURE)
-    assert table["N"].nunique() >= 3 and set(table["M"]) >= {0, 1, 2}
-    out = run_main(["fit", str(FIXTURE), "--out", str(tmp_path), "--starts", "8"])
+    assert table["N"].nunique() == 3 and set(table["M"]) == {0, 1, 2, 4}
+    out = run_main(["fit", str(FIXTURE), "--out", str(tmp_path)])
     assert out.returncode == 0, out.stderr[-2000:]
     fits = json.loads((tmp_path / "fits.json").read_text())
-    for name in ("DP", "M=1", "M=2"):
+    doc = (ROOT / "docs" / "scaling-laws.md").read_text()
+    study = doc[doc.index("## Our own study") :]
+    for name, laws in fits["independent"].items():
+        row = f"| {name} | {laws['loss']['A']:.4g} | {laws['loss']['alpha']:.4f} | {laws['loss']['r2']:.3f} | "
+        row += f"{laws['inner_lr']['A']:.4g} | {laws['inner_lr']['alpha']:.4f} | {laws['inner_lr']['r2']:.3f} |"
+        assert row in study, row
+    for form, f in fits["forms"].items():
+        row = f"| `{form}` | {f['residual']:.4f} | " + " | ".join(f"{v:.4f}" for v in f["residual_by_N"].values())
+        assert row in study, row
+    assert f"best by that residual: `{fits['best_form']}`" in study
+    for name in ("DP", "M=1", "M=2", "M=4"):
         law = fits["independent"][name]["loss"]
         assert law["alpha"] < 0 and law["r2"] > 0.8, (name, law)  # bigger models reach lower loss
     assert all((tmp_path / p).is_file() for p in ("loss_vs_N.png", "residuals.png", "optimal_hparams.png"))
@@ -307,6 +318,24 @@ def test_a_real_cpu_sweep_goes_through_fit_predict_and_plots(tmp_path):
     assert "eval loss" in pred.stdout
     p = predict(fits, n_big, 2)
     assert 0 < p["eval_loss"] < best_seen  # a 4x bigger model is predicted to do better than anything swept
+
+
+def test_fit_of_a_studys_stages_is_the_fit_of_their_rows_together(tmp_path):
+    """`ray-diloco fit STAGE1 STAGE2` (the study's two sweeps) fits their rows as one table."""
+    import pandas as pd
+
+    df = pd.read_csv(FIXTURE)
+    parts = []
+    for stage, rows in df.groupby("stage"):
+        parts.append(str(tmp_path / f"{stage}.csv"))
+        rows.to_csv(parts[-1], index=False)
+    assert len(parts) == 2
+    fits = []
+    for args in (parts, [str(FIXTURE)]):
+        out = tmp_path / str(len(fits))
+        assert run_main(["fit", *args, "--out", str(out), "--starts", "2", "--no-plots"]).returncode == 0
+        fits.append(json.loads((out / "fits.json").read_text()))
+    assert fits[0] == fits[1] and len(fits[0]["best_rows"]) == 12
 
 
 
