@@ -146,7 +146,8 @@ class SweepSpec:
         None for a plain value."""
         if isinstance(value, dict):
             return value
-        values = (self.params.get(key) or {}).get("grid") or (self.params.get(key) or {}).get("choice") or []
+        spec = self.params.get(key) or {}
+        values = spec.get("grid") or spec.get("choice") or []
         return next((g for g in values if isinstance(g, dict) and group_label(g) == value), None)
 
     def trial_config(self, params: dict[str, Any], validate: bool = True) -> Config:

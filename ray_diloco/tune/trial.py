@@ -41,7 +41,7 @@ def _trial_run(s: SweepSpec, trial: str, params: dict[str, Any]) -> tuple[Config
         raise TrialError("; ".join(e.lines())) from None
     cfg.run.name, cfg.run.output_dir = trial, str(local_root)
     cfg.run.storage_path = join_uri(s.sweep_dir, "trials") if remote else None
-    if "run.eval_every" not in s.set and "run.eval_every" not in params:
+    if not any(o.startswith("run.eval_every=") for o in s.overrides(params)):  # a grouped value may set it
         cfg.run.eval_every = 1
     cfg.tracking.progress = False
     cfg.tracking.group = cfg.tracking.group or s.name

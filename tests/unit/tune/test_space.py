@@ -123,7 +123,7 @@ def test_papers_grids_and_trial_bundles():
     assert all(x == {"CPU": cfg.diloco.cpus_per_worker} for x in b[1:])
 
 
-def test_a_grouped_grid_value_sets_several_fields_and_reads_back_from_its_label():
+def test_a_grouped_grid_value_sets_several_fields_and_reads_back_from_its_label(tmp_path):
     """The study's grid pairs d_model with d_ff and DP with one worker (not DP x every M): each
     grouped value is one trial's several fields, and the results table's label of it (what
     best_config.yaml is rebuilt from) gives the same config."""
@@ -139,6 +139,13 @@ def test_a_grouped_grid_value_sets_several_fields_and_reads_back_from_its_label(
     assert labels["method"] == "algorithm=diloco diloco.replicas=4"
     assert s.trial_config(labels).to_yaml() == cfg.to_yaml()
     assert len(s.bundles(s.trial_config({**params, "method": methods[0]}))) == 2  # DP: its own bundle + 1 worker
+
+    from ray_diloco.tune.trial import _trial_run
+
+    s.storage_path = str(tmp_path)  # a grouped value that sets run.eval_every keeps it in the trial
+    del s.set["run.eval_every"]
+    cfg, *_ = _trial_run(s, "t0", {**params, "size": {**params["size"], "run.eval_every": 7}})
+    assert cfg.run.eval_every == 7 and _trial_run(s, "t1", params)[0].run.eval_every == 1  # a trial's default
 
 
 def test_tune_cli_bad_input_is_one_line(tmp_path):
